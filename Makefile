@@ -1,0 +1,39 @@
+# make test     create/refresh .venv, install everything, run the test suite
+# make install  only create/refresh .venv
+# make lint     ruff check + format check
+# make bench    loss benchmark (prints a table)
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test install lint format bench quickstart clean
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+install: $(STAMP)
+
+# Order matters: torch first (2.13.0 CPU build here; a bare `torch` would pull a CUDA build),
+# then DeepSpeed without build isolation and with no ops compiled, then the project.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip setuptools wheel
+	$(BIN)/python -m pip install -c constraints.txt torch==2.13.0
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -c constraints.txt --no-build-isolation deepspeed
+	$(BIN)/python -m pip install -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/loss_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,162 @@
+"""Run megatron-core on CPU with gloo when no GPU is present (DESIGN.md §4).
+
+megatron-core assumes CUDA in two places that matter for CPU runs:
+
+* about a hundred call sites allocate buffers with ``device=torch.cuda.current_device()``
+  (all-gathers, the global memory buffer of core attention, GPU weight init), which raises on a
+  CPU-only build of torch;
+* the RNG tracker behind ``get_cuda_rng_tracker().fork()`` (dropout inside tensor-parallel regions,
+  activation recompute) saves and restores CUDA generator states.
+
+:func:`apply_cpu_support` redirects both to the CPU: ``torch.cuda.current_device()`` returns the
+CPU device, and megatron-core's tracker class and RNG state accessors are replaced by versions that
+keep named CPU generator states. It is a no-op when CUDA is available, idempotent, and checks every
+upstream symbol it touches first, so an upstream change fails here with a message instead of deep
+inside a model. megatron-core itself is never edited.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+from megatron_tempnet.utils.logging import get_logger
+
+SUPPORTED_MEGATRON_CORE = "0.16."
+
+_applied = False
+logger = get_logger(__name__)
+
+
+class CPUSupportError(RuntimeError):
+    """megatron-core no longer has what the CPU runtime relies on."""
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _get_cpu_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, device=None, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _require(module, name: str, params: tuple[str, ...] = ()) -> None:
+    """Fail with a clear message if ``module.name`` is gone or lost one of ``params``."""
+    where = f"{module.__name__}.{name}"
+    if not hasattr(module, name):
+        raise CPUSupportError(
+            f"megatron-core changed: {where} no longer exists; megatron_tempnet's CPU runtime "
+            f"(megatron_tempnet/distributed/cpu_support.py) must be updated for this version"
+        )
+    if params:
+        have = inspect.signature(getattr(module, name)).parameters
+        missing = [p for p in params if p not in have]
+        if missing:
+            raise CPUSupportError(
+                f"megatron-core changed: {where} lost parameter(s) {missing}; update "
+                f"megatron_tempnet/distributed/cpu_support.py for this version"
+            )
+
+
+def check_upstream() -> None:
+    """Verify that megatron-core still exposes every symbol :func:`apply_cpu_support` replaces."""
+    from megatron.core import package_info
+    from megatron.core.tensor_parallel import random as mc_random
+
+    for name, params in (
+        ("CudaRNGStatesTracker", ()),
+        ("_get_cuda_rng_state", ("device", "clone", "graph_safe")),
+        ("_set_cuda_rng_state", ("new_state", "device", "graph_safe")),
+        ("_CUDA_RNG_STATE_TRACKER", ()),
+        ("_CUDA_RNG_STATE_TRACKER_INITIALIZED", ()),
+        ("initialize_rng_tracker", ("force_reset",)),
+        ("model_parallel_cuda_manual_seed", ("seed",)),
+        ("_MODEL_PARALLEL_RNG_TRACKER_NAME", ()),
+    ):
+        _require(mc_random, name, params)
+    tracker_cls = mc_random.CudaRNGStatesTracker
+    for method in ("reset", "add", "fork", "get_states", "set_states", "is_initialized"):
+        if not callable(getattr(tracker_cls, method, None)):
+            raise CPUSupportError(
+                f"megatron-core changed: CudaRNGStatesTracker.{method} is missing; update "
+                f"megatron_tempnet/distributed/cpu_support.py for this version"
+            )
+    if not package_info.__version__.startswith(SUPPORTED_MEGATRON_CORE):
+        raise CPUSupportError(
+            f"megatron-core {package_info.__version__} is installed, the CPU runtime is written "
+            f"for {SUPPORTED_MEGATRON_CORE}x: install the pinned version (make install)"
+        )
+
+
+def _make_cpu_tracker_class(base: type, default_name: str) -> type:
+    class CPURNGStatesTracker(base):
+        """megatron-core's RNG tracker keeping named CPU generator states.
+
+        ``fork(name)`` swaps the CPU default generator to the named state for the duration of the
+        block, exactly as the CUDA tracker swaps the CUDA generator.
+        """
+
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise ValueError(f"RNG tracker seed {seed} is already used")
+            if name in self.states_:
+                raise ValueError(f"RNG tracker state {name!r} already exists")
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name: str = default_name):
+            if name not in self.states_:
+                raise KeyError(f"RNG tracker state {name!r} was never added")
+            outer_state = torch.get_rng_state()
+            outer_name = self._current_state_name
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer_state)
+                self._current_state_name = outer_name
+
+    return CPURNGStatesTracker
+
+
+def apply_cpu_support() -> bool:
+    """Make megatron-core usable on CPU. Returns True if the CPU runtime is (now) active.
+
+    Does nothing and returns False when CUDA is available. Call it before building any
+    megatron-core model; it is safe to call many times.
+    """
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    if _applied:
+        return True
+    check_upstream()
+    from megatron.core.tensor_parallel import random as mc_random
+
+    torch.cuda.current_device = _cpu_current_device
+    mc_random._get_cuda_rng_state = _get_cpu_rng_state
+    mc_random._set_cuda_rng_state = _set_cpu_rng_state
+    tracker_cls = _make_cpu_tracker_class(
+        mc_random.CudaRNGStatesTracker, mc_random._MODEL_PARALLEL_RNG_TRACKER_NAME
+    )
+    mc_random.CudaRNGStatesTracker = tracker_cls
+    mc_random._CUDA_RNG_STATE_TRACKER = tracker_cls()
+    mc_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _applied = True
+    logger.debug("CPU runtime for megatron-core applied")
+    return True
+
+
+def is_applied() -> bool:
+    """Whether :func:`apply_cpu_support` has patched this process."""
+    return _applied

@@ -1,0 +1,71 @@
+"""Tensor-parallel group resolution and megatron-core's vocabulary partitioning."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """A tensor-parallel process group with this process's rank in it.
+
+    ``group=None`` with ``size=1`` means no tensor parallelism: every collective is a no-op.
+    """
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+        """In-place all-reduce over the group (skipped when the group has one rank)."""
+        if self.size > 1:
+            dist.all_reduce(tensor, op=op, group=self.group)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` along ``dim`` (no autograd)."""
+        if self.size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+
+def resolve_tp_group(tp_group: dist.ProcessGroup | None = None) -> TPGroup:
+    """The group to reduce over.
+
+    An explicit ``tp_group`` wins. ``None`` means megatron-core's tensor-parallel group when
+    ``parallel_state`` is initialised, otherwise a single rank (no communication).
+    """
+    if tp_group is None:
+        # megatron-core is slow to import; if nobody imported it, it cannot be initialised.
+        ps = sys.modules.get("megatron.core.parallel_state")
+        if ps is not None and ps.model_parallel_is_initialized():
+            tp_group = ps.get_tensor_model_parallel_group()
+    if tp_group is None:
+        return TPGroup(group=None, rank=0, size=1)
+    return TPGroup(group=tp_group, rank=dist.get_rank(tp_group), size=dist.get_world_size(tp_group))
+
+
+@dataclass(frozen=True)
+class VocabPartition:
+    """This rank's slice ``[start, end)`` of the padded vocabulary (megatron-core's layout).
+
+    ``n_true`` is how many of the slice's columns are real tokens (``< vocab_size``); the rest are
+    padding that every sum, norm and TempNet input must skip.
+    """
+
+    start: int
+    end: int
+    n_true: int
+
+
+def vocab_partition(partition_size: int, rank: int, vocab_size: int) -> VocabPartition:
+    """Megatron-core splits the padded vocabulary into equal contiguous slices, rank-major."""
+    start = rank * partition_size
+    end = start + partition_size
+    n_true = max(0, min(end, vocab_size) - start)
+    return VocabPartition(start=start, end=end, n_true=n_true)

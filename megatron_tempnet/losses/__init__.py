@@ -1,0 +1,19 @@
+"""The KL-DRO loss family (DESIGN.md §2): dense reference, vocabulary-parallel versions, Newton tau.
+
+Math on local tensors lives in :mod:`dro_math`; the collectives in :mod:`vocab_parallel` and
+:mod:`newton`.
+"""
+
+from megatron_tempnet.losses.dense import dro_loss
+from megatron_tempnet.losses.newton import optimal_tau
+from megatron_tempnet.losses.vocab_parallel import (
+    temperature_scaled_cross_entropy,
+    vocab_parallel_dro_loss,
+)
+
+__all__ = [
+    "dro_loss",
+    "optimal_tau",
+    "temperature_scaled_cross_entropy",
+    "vocab_parallel_dro_loss",
+]

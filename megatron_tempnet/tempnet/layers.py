@@ -1,0 +1,45 @@
+"""TempNet layers shared by the LLM and CLIP networks: parameterised pooling and output layer."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class ParameterisedPooling(nn.Module):
+    """Pool prototypical logits ``u`` into one score, mimicking Lemma 5.1 (Section 5):
+
+        s = sum_k (softmax(u / phi)_k - 1/d2) * w3_k * u_k - b
+
+    The paper's factor 1/rho is absorbed into the learnable ``w3`` and ``b`` (so rho = 0 stays
+    legal). ``phi`` is kept positive by learning ``log phi``. Init (Appendix D.1): w3 = 1, b = 0.
+    Parameters: ``d2 + 2``.
+    """
+
+    def __init__(self, proj_size: int, phi_init: float):
+        super().__init__()
+        if not phi_init > 0:
+            raise ValueError(f"phi_init ({phi_init}) must be > 0")
+        self.w3 = nn.Parameter(torch.ones(proj_size))
+        self.bias = nn.Parameter(torch.zeros(()))
+        self.log_phi = nn.Parameter(torch.tensor(math.log(phi_init)))
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        """``u [..., d2]`` -> ``s [...]``."""
+        attention = torch.softmax(u / self.log_phi.exp(), dim=-1) - 1.0 / u.shape[-1]
+        return (attention * self.w3 * u).sum(dim=-1) - self.bias
+
+
+def bounded_temperature(s: torch.Tensor, tau_min: float, tau_max: float) -> torch.Tensor:
+    """Output layer: ``tau = (tau_max - tau_min) * sigmoid(s) + tau_min``, within the bounds."""
+    return (tau_max - tau_min) * torch.sigmoid(s) + tau_min
+
+
+def check_tau_range(tau_min: float, tau_max: float, *, what: str = "tau") -> None:
+    """Validate a temperature range once, with the names users set."""
+    if not tau_min > 0:
+        raise ValueError(f"{what}_min ({tau_min}) must be > 0")
+    if not tau_max > tau_min:
+        raise ValueError(f"{what}_min ({tau_min}) must be < {what}_max ({tau_max})")

@@ -1,0 +1,106 @@
+"""TempNetLM on one rank: the DESIGN.md §2 formula, init, stop-gradient, range, checkpoints."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_tempnet.tempnet import TempNetLM
+
+
+def _reference_tau(net: TempNetLM, logits: torch.Tensor, tau_max: float) -> torch.Tensor:
+    """DESIGN.md §2 written out in float64 from the module's parameters."""
+    sd = {k: v.double() for k, v in net.state_dict().items()}
+    L = logits.double()[..., : net.vocab_size]
+    Lbar = L / L.norm(dim=-1, keepdim=True)
+    v = torch.sigmoid(Lbar @ sd["weight1"].T + sd["bias1"])
+    u = v @ sd["weight2"].T
+    phi = sd["pooling.log_phi"].exp()
+    d2 = u.shape[-1]
+    s = ((torch.softmax(u / phi, -1) - 1 / d2) * sd["pooling.w3"] * u).sum(-1) - sd["pooling.bias"]
+    return (tau_max - net.tau_min) * torch.sigmoid(s) + net.tau_min
+
+
+@pytest.mark.parametrize("vocab,expected", [(32000, 8_258_050), (50304, 12_943_874)])
+def test_parameter_count_matches_table_13(vocab, expected):
+    net = TempNetLM(vocab)
+    d1 = d2 = 256
+    assert vocab * d1 + d1 + d1 * d2 + d2 + 2 == expected
+    assert sum(p.numel() for p in net.parameters()) == expected
+
+
+def test_init_follows_appendix_d1():
+    torch.manual_seed(0)
+    net = TempNetLM(1000, hidden_size=64, proj_size=32)
+    assert torch.equal(net.pooling.w3.detach(), torch.ones(32))
+    assert float(net.pooling.bias.detach()) == 0.0
+    assert float(net.pooling.log_phi.detach().exp()) == pytest.approx(1.0)
+    bound = 1 / math.sqrt(1000)
+    assert float(net.weight1.abs().max()) <= bound
+    assert float(net.weight1.abs().max()) > 0.9 * bound  # uniform over the full range
+    assert float(net.weight2.abs().max()) <= 1 / math.sqrt(64)
+
+
+def test_forward_matches_reference_and_range():
+    torch.manual_seed(1)
+    net = TempNetLM(
+        90, hidden_size=16, proj_size=8, tau_min=0.01, tau_max=1.5, padded_vocab_size=96
+    ).double()
+    with torch.no_grad():  # move off the init so every parameter matters
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    logits = torch.randn(5, 3, 96, dtype=torch.float64) * 4
+    logits[..., 90:] = 1e6  # padding must not reach TempNet
+    tau = net(logits)
+    assert tau.shape == (5, 3)
+    torch.testing.assert_close(tau, _reference_tau(net, logits, 1.5), rtol=1e-12, atol=0)
+    assert float(tau.min()) >= 0.01 and float(tau.max()) <= 1.5
+    net.eval()
+    net.tau_max_eval = 1.2
+    torch.testing.assert_close(net(logits), _reference_tau(net, logits, 1.2), rtol=1e-12, atol=0)
+    net.train()
+    torch.testing.assert_close(net(logits), tau, rtol=0, atol=0)
+
+
+def test_input_carries_no_gradient_to_logits():
+    net = TempNetLM(50, hidden_size=8, proj_size=8)
+    logits = torch.randn(4, 2, 50, requires_grad=True)
+    tau = net(logits)
+    (grad,) = torch.autograd.grad(tau.sum(), [logits], allow_unused=True)
+    assert grad is None
+    tau = net(logits * 2.0)
+    tau.sum().backward()
+    assert logits.grad is None
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in net.parameters())
+
+
+def test_gradients_gradcheck():
+    net = TempNetLM(20, hidden_size=6, proj_size=5, padded_vocab_size=24).double()
+    logits = torch.randn(3, 2, 24, dtype=torch.float64)
+    names = [n for n, _ in net.named_parameters()]
+
+    def f(*values):
+        return torch.func.functional_call(net, dict(zip(names, values)), (logits,))
+
+    values = tuple(p.detach().clone().requires_grad_() for p in net.parameters())
+    assert torch.autograd.gradcheck(f, values)
+
+
+def test_state_dict_round_trip_and_shape_error():
+    net = TempNetLM(40, hidden_size=8, proj_size=4)
+    other = TempNetLM(40, hidden_size=8, proj_size=4)
+    other.load_state_dict(net.state_dict())
+    x = torch.randn(3, 40)
+    torch.testing.assert_close(other(x), net(x), rtol=0, atol=0)
+    wrong = TempNetLM(41, hidden_size=8, proj_size=4)
+    with pytest.raises(RuntimeError, match=r"weight1: checkpoint has shape \(8, 40\)"):
+        wrong.load_state_dict(net.state_dict())
+
+
+def test_bad_configuration_is_named():
+    with pytest.raises(ValueError, match=r"tau_min \(0.5\) must be < tau_max \(0.3\)"):
+        TempNetLM(10, tau_min=0.5, tau_max=0.3)
+    with pytest.raises(ValueError, match="expects 10 logits per rank"):
+        TempNetLM(10)(torch.randn(2, 12))
+    with pytest.raises(ValueError, match="padded_vocab_size"):
+        TempNetLM(10, padded_vocab_size=8)
