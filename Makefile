@@ -1,5 +1,6 @@
-# make test     create/refresh .venv, install everything, run the test suite
-# make install  only create/refresh .venv
+# make test        create/refresh .venv, install everything, run the test suite
+# make quickstart  create/refresh .venv, train a tiny GPT + TempNet at TP=2 on CPU
+# make install     only create/refresh .venv
 # make lint     ruff check + format check
 # make bench    loss benchmark (prints a table)
 PYTHON ?= python3
@@ -11,6 +12,9 @@ STAMP := $(VENV)/.installed
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+quickstart: $(STAMP)
+	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/quickstart.py $(ARGS)
 
 install: $(STAMP)
 

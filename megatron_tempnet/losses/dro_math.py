@@ -18,17 +18,12 @@ import torch
 
 # Rows are processed in blocks of about this many elements so that the per-block temporaries
 # stay in cache on CPU and kernel launches stay few on GPU.
-_BLOCK_ELEMENTS = {"cpu": 1 << 16, "cuda": 1 << 26}
+_BLOCK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 22}
 
 
 def _block_rows(n_rows: int, n_cols: int, device: torch.device) -> int:
     budget = _BLOCK_ELEMENTS.get(device.type, 1 << 24)
     return max(1, min(n_rows, budget // max(n_cols, 1)))
-
-
-def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """sum_k a[t, k] * b[t, k] for 2-D tensors, without a full-size product temporary."""
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
 def exp_shifted_(
@@ -68,7 +63,8 @@ def exp_shifted_(
         torch.exp(z, out=e)
         torch.sum(e, dim=1, out=s_local[r0:r1])
         if need_q:
-            q_local[r0:r1] = _rowdot(e, z)
+            z.mul_(e)  # z is a block temporary: reuse it for exp(z) * z
+            torch.sum(z, dim=1, out=q_local[r0:r1])
     return s_local, q_local
 
 
@@ -87,10 +83,11 @@ def newton_sums(logits_2d: torch.Tensor, row_max: torch.Tensor, tau: torch.Tenso
         z = logits_2d[r0:r1].to(torch.float64) - row_max[r0:r1, None]
         z.div_(tau[r0:r1, None])
         e = torch.exp(z)
-        ez = e * z
         sums[r0:r1, 0] = e.sum(dim=1)
-        sums[r0:r1, 1] = ez.sum(dim=1)
-        sums[r0:r1, 2] = _rowdot(ez, z)
+        e.mul_(z)
+        sums[r0:r1, 1] = e.sum(dim=1)
+        e.mul_(z)
+        sums[r0:r1, 2] = e.sum(dim=1)
     return sums
 
 

@@ -76,7 +76,7 @@ def optimal_tau(
 
     row_max = torch.full((n_rows,), -math.inf, **f64)
     if part.n_true:
-        row_max = x.max(dim=1).values.to(torch.float64)
+        row_max = torch.amax(x, dim=1).to(torch.float64)
     tp.all_reduce(row_max, op=dist.ReduceOp.MAX)
 
     log_c = math.log(vocab_size)

@@ -74,7 +74,7 @@ class _VocabParallelTemperedLoss(torch.autograd.Function):
         tau_1d = _as_tau(tau, target, compute_dtype, x.device)
 
         if part.n_true:
-            row_max = x_true.max(dim=1).values
+            row_max = torch.amax(x_true, dim=1)
         else:
             row_max = torch.full((x.shape[0],), -math.inf, dtype=compute_dtype, device=x.device)
         tp.all_reduce(row_max, op=dist.ReduceOp.MAX)

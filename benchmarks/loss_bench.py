@@ -1,0 +1,384 @@
+"""Output-stage benchmark: time and peak memory per rank of the loss paths, on identical shapes.
+
+Cases (T tokens, hidden h, vocabulary shard V/tp; "+gemm" includes the output layer GEMM):
+
+  a  megatron-core vocab_parallel_cross_entropy
+  b  vocab_parallel_dro_loss (in place, learnable tau tensor)
+  c  TempNetLM + vocab_parallel_dro_loss
+  d  all-gather the full logits, then a dense TempNet and the dense DRO loss (the research code's
+     approach, reimplemented minimally)
+
+Each case runs with and without the GEMM; the cases take turns, one repetition each, so drift
+of the machine hits them alike. Time: median forward+backward over --reps after --warmup, the
+slowest rank. Peak: the rank's peak memory above what it held before the step, with the last
+step's gradients freed, so it counts the logits, the loss buffers and the new gradients
+(CPU: VmHWM of /proc/self/status, reset through /proc/self/clear_refs; GPU: the caching
+allocator's peak), the largest rank. TP ranks on one CPU share its cores: with more ranks than
+cores, times are not comparable to a real run (memory still is).
+
+    python benchmarks/loss_bench.py                     # CPU, small default shapes
+    python benchmarks/loss_bench.py --tokens 2048 --hidden 768 4096 --tp 1 4 --json out.json
+    python benchmarks/loss_bench.py --device cuda       # one GPU per TP rank
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+CASES = ["a", "b", "c", "d"]
+NAMES = {
+    "a": "megatron-core CE",
+    "b": "DRO loss",
+    "c": "TempNet + DRO",
+    "d": "all-gather + dense TempNet + DRO",
+}
+
+
+class DenseTempNet(nn.Module):
+    """The research code's TempNet on gathered full logits: plain dense layers, no TP."""
+
+    def __init__(self, vocab_size, d1=256, d2=256, tau_min=1e-3, tau_max=2.0):
+        super().__init__()
+        self.vocab_size, self.tau_min, self.tau_max = vocab_size, tau_min, tau_max
+        self.transform = nn.Linear(vocab_size, d1)
+        self.project = nn.Linear(d1, d2, bias=False)
+        self.w3 = nn.Parameter(torch.ones(d2))
+        self.b = nn.Parameter(torch.zeros(()))
+        self.log_phi = nn.Parameter(torch.zeros(()))
+
+    def forward(self, logits):
+        x = logits[..., : self.vocab_size]
+        x = x / x.norm(dim=-1, keepdim=True)
+        u = self.project(torch.sigmoid(self.transform(x)))
+        att = torch.softmax(u / self.log_phi.exp(), -1) - 1.0 / u.shape[-1]
+        s = (att * self.w3 * u).sum(-1) - self.b
+        return (self.tau_max - self.tau_min) * torch.sigmoid(s) + self.tau_min
+
+
+class Memory:
+    """Peak memory above a baseline, on CPU (process RSS high-water mark) or GPU."""
+
+    def __init__(self, device):
+        self.device = device
+
+    @staticmethod
+    def _status_kb(key):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1])
+        raise RuntimeError(f"{key} missing from /proc/self/status")
+
+    def start(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+            self.base = self._status_kb("VmRSS") * 1024
+
+    def peak_mb(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            return (torch.cuda.max_memory_allocated() - self.base) / 2**20
+        return (self._status_kb("VmHWM") * 1024 - self.base) / 2**20
+
+
+def _setup(device, tokens, hidden, vocab, tp, rank):
+    from megatron.core.tensor_parallel import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_tensor_model_parallel_region,
+        vocab_parallel_cross_entropy,
+    )
+
+    from megatron_tempnet.losses import dro_loss, vocab_parallel_dro_loss
+    from megatron_tempnet.tempnet import TempNetLM
+
+    gen = torch.Generator().manual_seed(0)
+    shard = vocab // tp
+    h = torch.randn(tokens, hidden, generator=gen).to(device).requires_grad_()
+    w_full = torch.randn(vocab, hidden, generator=gen) * (3.0 / hidden**0.5)
+    w = w_full[rank * shard : (rank + 1) * shard].contiguous().to(device).requires_grad_()
+    target = torch.randint(0, vocab, (tokens, 1), generator=gen).to(device)
+    tau = (0.5 + torch.rand(tokens, 1, generator=gen)).to(device).requires_grad_()
+    tempnet = TempNetLM(vocab).to(device)
+    dense_tempnet = DenseTempNet(vocab).to(device)
+    base_logits = (torch.randn(tokens, 1, shard, generator=gen) * 3).to(device)
+    params = [h, w, tau, *tempnet.parameters(), *dense_tempnet.parameters()]
+
+    def gemm():
+        return F.linear(copy_to_tensor_model_parallel_region(h), w).view(tokens, 1, shard)
+
+    def loss_fn(case, logits):
+        if case == "a":
+            return vocab_parallel_cross_entropy(logits, target).mean()
+        if case == "b":
+            return vocab_parallel_dro_loss(
+                logits, target, tau, rho=10.0, vocab_size=vocab, inplace=True
+            ).mean()
+        if case == "c":
+            t = tempnet(logits)
+            return vocab_parallel_dro_loss(logits, target, t, rho=10.0, vocab_size=vocab).mean()
+        full = gather_from_tensor_model_parallel_region(logits)
+        t = dense_tempnet(full.detach())
+        return dro_loss(full, target, t, rho=10.0, vocab_size=vocab).mean()
+
+    def make_step(case, with_gemm):
+        def reset():  # last step's gradients are not part of this step's memory
+            for p in params:
+                p.grad = None
+
+        def inputs():
+            return None if with_gemm else base_logits.clone().requires_grad_()
+
+        def step(logits):
+            if with_gemm:
+                loss_fn(case, gemm()).backward()
+            else:  # the gradient is returned, not accumulated into a .grad copy
+                torch.autograd.grad(loss_fn(case, logits), [logits])
+
+        return reset, inputs, step
+
+    return make_step
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _measure_once(reset, inputs, step, memory, device):
+    """One forward+backward: (seconds, peak MB above what the rank held before it)."""
+    reset()
+    dist.barrier()
+    memory.start()
+    x = inputs()
+    _sync(device)
+    t0 = time.perf_counter()
+    step(x)
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    peak = memory.peak_mb()
+    del x
+    return elapsed, peak
+
+
+def _measure_cases(steps, device, reps, warmup):
+    """Round-robin over the cases, so that drift of the machine hits every case alike."""
+    memory = Memory(device)
+    times = {case: [] for case in steps}
+    peaks = {case: [] for case in steps}
+    for i in range(warmup + reps):
+        for case, (reset, inputs, step) in steps.items():
+            elapsed, peak = _measure_once(reset, inputs, step, memory, device)
+            if i >= warmup:
+                times[case].append(elapsed)
+                peaks[case].append(peak)
+    return {case: (statistics.median(times[case]) * 1e3, max(peaks[case])) for case in steps}
+
+
+def _rank_main(rank, tp, port, args, out_queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=tp)
+    from megatron.core import parallel_state
+
+    from megatron_tempnet.distributed import apply_cpu_support
+
+    apply_cpu_support()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    oversubscribed = not cuda and tp > (os.cpu_count() or 1)
+    rows = []
+    for hidden in args.hidden:
+        make_step = _setup(device, args.tokens, hidden, args.vocab, tp, rank)
+        for with_gemm in (True, False):
+            steps = {case: make_step(case, with_gemm) for case in args.cases}
+            measured = _measure_cases(steps, device, args.reps, args.warmup)
+            for case, (ms, mb) in measured.items():
+                t = torch.tensor([ms, mb], dtype=torch.float64, device=device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                rows.append(
+                    dict(
+                        tp=tp,
+                        hidden=hidden,
+                        gemm=with_gemm,
+                        case=case,
+                        time_ms=float(t[0]),
+                        peak_mb=float(t[1]),
+                        oversubscribed=oversubscribed,
+                    )
+                )
+    if rank == 0:
+        out_queue.put(rows)
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _machine(device):
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    model = "unknown CPU"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return (
+        f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
+    )
+
+
+def _with_ratios(rows):
+    base = {(r["tp"], r["hidden"], r["gemm"]): r for r in rows if r["case"] == "a"}
+    for r in rows:
+        a = base.get((r["tp"], r["hidden"], r["gemm"]))
+        r["time_vs_a"] = r["time_ms"] / a["time_ms"] if a else None
+        r["peak_vs_a"] = r["peak_mb"] / a["peak_mb"] if a and a["peak_mb"] > 0 else None
+    return rows
+
+
+def _print_table(rows, args, machine):
+    pages = (
+        ""
+        if args.device == "cuda"
+        else (", 4 KiB pages" if args.no_hugepages else ", glibc.malloc.hugetlb=1")
+    )
+    print(f"# {machine}; T = {args.tokens} tokens, V = {args.vocab}, reps = {args.reps}{pages}")
+    header = (
+        f"{'tp':>2} {'h':>5} {'gemm':>4}  {'case':<36} {'ms':>9} {'x a':>6} "
+        f"{'peak MB':>9} {'x a':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        tv = f"{r['time_vs_a']:.3f}" if r["time_vs_a"] else "-"
+        pv = f"{r['peak_vs_a']:.3f}" if r["peak_vs_a"] else "-"
+        label = f"{r['case']}  {NAMES[r['case']]}"
+        if r["oversubscribed"]:
+            tv += "*"
+        print(
+            f"{r['tp']:>2} {r['hidden']:>5} {'yes' if r['gemm'] else 'no':>4}  {label:<36} "
+            f"{r['time_ms']:>9.1f} {tv:>6} {r['peak_mb']:>9.1f} {pv:>6}"
+        )
+
+
+def _targets(rows):
+    """The targets of the foundation issue, as (description, value, limit, passed)."""
+    idx = {(r["tp"], r["hidden"], r["gemm"], r["case"]): r for r in rows}
+    checks = []
+    for (tp, h, gemm, case), r in sorted(idx.items()):
+        timed = not r["oversubscribed"]  # more ranks than cores: no valid time
+        if case == "b" and not gemm:
+            if timed:
+                checks.append((f"tp={tp} h={h}: DRO alone / CE alone, time", r["time_vs_a"], 1.3))
+            checks.append((f"tp={tp} h={h}: DRO alone / CE alone, peak", r["peak_vs_a"], 1.05))
+        if case == "b" and gemm and timed:
+            checks.append((f"tp={tp} h={h}: (b)/(a) time", r["time_vs_a"], 1.05))
+        if case == "c" and gemm and timed:
+            limit = 1.3 if h <= 768 else 1.06
+            checks.append((f"tp={tp} h={h}: (c)/(a) time", r["time_vs_a"], limit))
+        if case == "d" and tp == 4 and (tp, h, gemm, "c") in idx:
+            ours = idx[(tp, h, gemm, "c")]["peak_mb"]
+            label = "with GEMM" if gemm else "loss alone"
+            checks.append(
+                (f"tp=4 h={h}: (d) peak / (c) peak, {label} (>= 4)", r["peak_mb"] / ours, -4.0)
+            )
+    return [
+        (d, v, abs(lim), v <= lim if lim > 0 else v >= -lim)
+        for d, v, lim in checks
+        if v is not None
+    ]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=512, help="T = sequence x micro-batch")
+    parser.add_argument("--hidden", type=int, nargs="+", default=[768], help="hidden sizes h")
+    parser.add_argument("--vocab", type=int, default=50304, help="padded vocabulary V")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1], help="tensor-parallel sizes")
+    parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--no-hugepages",
+        action="store_true",
+        help="CPU: keep glibc's default 4 KiB pages for large tensors",
+    )
+    args = parser.parse_args()
+    for tp in args.tp:
+        if args.vocab % tp:
+            parser.error(f"--vocab ({args.vocab}) must be divisible by every --tp ({tp})")
+    if args.device == "cuda" and max(args.tp) > torch.cuda.device_count():
+        parser.error(
+            f"--tp {max(args.tp)} needs that many GPUs; {torch.cuda.device_count()} visible"
+        )
+    # Fixed malloc thresholds so freed tensors go back to the OS and RSS tracks live memory.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 20))
+    if not args.no_hugepages:
+        # Every large CPU tensor is a fresh mmap; with 4 KiB pages, first-touch page faults
+        # dominate the cost of a new buffer (a GPU's caching allocator has none). Transparent
+        # huge pages (glibc >= 2.35) cut them 512-fold, for every case alike.
+        os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    ctx = mp.get_context("spawn")
+    rows = []
+    for tp in args.tp:
+        out_queue = ctx.SimpleQueue()
+        mp.start_processes(
+            _rank_main, args=(tp, _free_port(), args, out_queue), nprocs=tp, start_method="spawn"
+        )
+        rows.extend(out_queue.get())
+    rows = _with_ratios(rows)
+    machine = _machine(args.device)
+    _print_table(rows, args, machine)
+    if any(r["oversubscribed"] for r in rows):
+        print("* more TP ranks than CPU cores: times are not comparable (memory is)")
+    checks = _targets(rows)
+    if checks:
+        print("\ntargets")
+        for desc, value, limit, ok in checks:
+            print(f"  {'PASS' if ok else 'MISS'}  {desc}: {value:.3f} (limit {limit})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "machine": machine,
+                    "args": vars(args),
+                    "rows": rows,
+                    "targets": [
+                        dict(check=d, value=v, limit=lim, passed=ok) for d, v, lim, ok in checks
+                    ],
+                },
+                f,
+                indent=2,
+            )
+
+
+if __name__ == "__main__":
+    main()
