@@ -8,6 +8,10 @@ Cases (T tokens, hidden h, vocabulary shard V/tp; "+gemm" includes the output la
   d  all-gather the full logits, then a dense TempNet and the dense DRO loss (the research code's
      approach, reimplemented minimally)
 
+On CPU the ranks run twice: a timing run (with jemalloc when installed, which reuses freed memory
+as a GPU's caching allocator does, instead of page-faulting every fresh tensor) and a memory run
+(glibc returning every large tensor to the OS, so that RSS follows live memory).
+
 Each case runs with and without the GEMM; the cases take turns, one repetition each, so drift
 of the machine hits them alike. Time: median forward+backward over --reps after --warmup, the
 slowest rank. Peak: the rank's peak memory above what it held before the step, with the last
@@ -38,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 CASES = ["a", "b", "c", "d"]
+JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
 NAMES = {
     "a": "megatron-core CE",
     "b": "DRO loss",
@@ -191,7 +196,7 @@ def _measure_cases(steps, device, reps, warmup):
     return {case: (statistics.median(times[case]) * 1e3, max(peaks[case])) for case in steps}
 
 
-def _rank_main(rank, tp, port, args, out_queue):
+def _rank_main(rank, tp, port, args, mode, out_queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = args.device == "cuda"
     if cuda:
@@ -212,7 +217,8 @@ def _rank_main(rank, tp, port, args, out_queue):
         make_step = _setup(device, args.tokens, hidden, args.vocab, tp, rank)
         for with_gemm in (True, False):
             steps = {case: make_step(case, with_gemm) for case in args.cases}
-            measured = _measure_cases(steps, device, args.reps, args.warmup)
+            reps, warmup = (1, 1) if mode == "memory" else (args.reps, args.warmup)
+            measured = _measure_cases(steps, device, reps, warmup)
             for case, (ms, mb) in measured.items():
                 t = torch.tensor([ms, mb], dtype=torch.float64, device=device)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -230,6 +236,33 @@ def _rank_main(rank, tp, port, args, out_queue):
     if rank == 0:
         out_queue.put(rows)
     dist.destroy_process_group()
+
+
+def _allocator_env(allocator: str) -> dict:
+    if allocator == "glibc":
+        return {}
+    return {"LD_PRELOAD": JEMALLOC, "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}
+
+
+def _spawn(tp, args, mode, env):
+    """Run the ranks with ``env`` added to their environment; return rank 0's rows."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        out_queue = mp.get_context("spawn").SimpleQueue()
+        mp.start_processes(
+            _rank_main,
+            args=(tp, _free_port(), args, mode, out_queue),
+            nprocs=tp,
+            start_method="spawn",
+        )
+        return out_queue.get()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _free_port():
@@ -256,17 +289,14 @@ def _with_ratios(rows):
     base = {(r["tp"], r["hidden"], r["gemm"]): r for r in rows if r["case"] == "a"}
     for r in rows:
         a = base.get((r["tp"], r["hidden"], r["gemm"]))
-        r["time_vs_a"] = r["time_ms"] / a["time_ms"] if a else None
+        timed = a and r["time_ms"] is not None and a["time_ms"] is not None
+        r["time_vs_a"] = r["time_ms"] / a["time_ms"] if timed else None
         r["peak_vs_a"] = r["peak_mb"] / a["peak_mb"] if a and a["peak_mb"] > 0 else None
     return rows
 
 
 def _print_table(rows, args, machine):
-    pages = (
-        ""
-        if args.device == "cuda"
-        else (", 4 KiB pages" if args.no_hugepages else ", glibc.malloc.hugetlb=1")
-    )
+    pages = "" if args.device == "cuda" else f", CPU allocator for timing: {args.allocator}"
     print(f"# {machine}; T = {args.tokens} tokens, V = {args.vocab}, reps = {args.reps}{pages}")
     header = (
         f"{'tp':>2} {'h':>5} {'gemm':>4}  {'case':<36} {'ms':>9} {'x a':>6} "
@@ -278,11 +308,10 @@ def _print_table(rows, args, machine):
         tv = f"{r['time_vs_a']:.3f}" if r["time_vs_a"] else "-"
         pv = f"{r['peak_vs_a']:.3f}" if r["peak_vs_a"] else "-"
         label = f"{r['case']}  {NAMES[r['case']]}"
-        if r["oversubscribed"]:
-            tv += "*"
+        ms = "-" if r["time_ms"] is None else f"{r['time_ms']:.1f}"
         print(
             f"{r['tp']:>2} {r['hidden']:>5} {'yes' if r['gemm'] else 'no':>4}  {label:<36} "
-            f"{r['time_ms']:>9.1f} {tv:>6} {r['peak_mb']:>9.1f} {pv:>6}"
+            f"{ms:>9} {tv:>6} {r['peak_mb']:>9.1f} {pv:>6}"
         )
 
 
@@ -326,9 +355,12 @@ def main():
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument(
-        "--no-hugepages",
-        action="store_true",
-        help="CPU: keep glibc's default 4 KiB pages for large tensors",
+        "--allocator",
+        choices=["jemalloc", "glibc"],
+        default="jemalloc" if os.path.exists(JEMALLOC) else "glibc",
+        help="CPU timing runs: jemalloc keeps freed memory for reuse, as a GPU's caching "
+        "allocator does (Debian: apt-get install libjemalloc2); glibc maps and page-faults "
+        "every large tensor afresh",
     )
     args = parser.parse_args()
     for tp in args.tp:
@@ -338,27 +370,32 @@ def main():
         parser.error(
             f"--tp {max(args.tp)} needs that many GPUs; {torch.cuda.device_count()} visible"
         )
-    # Fixed malloc thresholds so freed tensors go back to the OS and RSS tracks live memory.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 20))
-    if not args.no_hugepages:
-        # Every large CPU tensor is a fresh mmap; with 4 KiB pages, first-touch page faults
-        # dominate the cost of a new buffer (a GPU's caching allocator has none). Transparent
-        # huge pages (glibc >= 2.35) cut them 512-fold, for every case alike.
-        os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
-    ctx = mp.get_context("spawn")
     rows = []
     for tp in args.tp:
-        out_queue = ctx.SimpleQueue()
-        mp.start_processes(
-            _rank_main, args=(tp, _free_port(), args, out_queue), nprocs=tp, start_method="spawn"
+        if args.device == "cuda":
+            rows.extend(_spawn(tp, args, "both", {}))
+            continue
+        # glibc returning every tensor of 1 MiB or more to the OS: RSS follows live memory.
+        memory = _spawn(
+            tp,
+            args,
+            "memory",
+            {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 20)},
         )
-        rows.extend(out_queue.get())
+        if tp > (os.cpu_count() or 1):  # ranks would share cores: no meaningful time
+            for row in memory:
+                row["time_ms"] = None
+            rows.extend(memory)
+            continue
+        timed = _spawn(tp, args, "time", _allocator_env(args.allocator))
+        for row, mem in zip(timed, memory):
+            row["peak_mb"] = mem["peak_mb"]
+            rows.append(row)
     rows = _with_ratios(rows)
     machine = _machine(args.device)
     _print_table(rows, args, machine)
     if any(r["oversubscribed"] for r in rows):
-        print("* more TP ranks than CPU cores: times are not comparable (memory is)")
+        print("-: more TP ranks than CPU cores, so no time is measured (memory is)")
     checks = _targets(rows)
     if checks:
         print("\ntargets")

@@ -70,7 +70,7 @@ class _VocabParallelTemperedLoss(torch.autograd.Function):
         exp_buf = buffer.view(-1, n_cols)
         part = vocab_partition(n_cols, tp.rank, vocab_size)
         x_true = x[:, : part.n_true]
-        target_1d = target.reshape(-1)
+        target_1d = target.reshape(-1).long()
         tau_1d = _as_tau(tau, target, compute_dtype, x.device)
 
         if part.n_true:
