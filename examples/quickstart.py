@@ -14,7 +14,12 @@ import argparse
 import json
 import logging
 import os
+import warnings
 from pydoc_data.topics import topics
+
+# NVIDIA apex and Transformer Engine are optional GPU accelerators: their absence is expected.
+warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed")
+warnings.filterwarnings("ignore", message="When using async grad allreduce")  # CUDA-only advice
 
 import torch
 import torch.distributed as dist
