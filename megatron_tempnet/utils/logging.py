@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import logging
-
-import torch.distributed as dist
+import sys
 
 _ROOT = "megatron_tempnet"
 
@@ -17,7 +16,9 @@ def get_logger(name: str = _ROOT) -> logging.Logger:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    # torch not imported yet means no process group either (keeps data tools free of torch)
+    dist = sys.modules.get("torch.distributed")
+    return dist.get_rank() if dist is not None and dist.is_initialized() else 0
 
 
 def log_rank0(msg: str, *args, level: int = logging.INFO, logger: logging.Logger | None = None):

@@ -1,0 +1,1 @@
+"""Tokenizers, JSON-lines preprocessing, indexed datasets and GPT data loading."""

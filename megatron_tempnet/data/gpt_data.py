@@ -1,0 +1,290 @@
+"""GPT training data: megatron-core ``GPTDataset`` blends and a resumable sampler.
+
+Datasets come from megatron-core's ``BlendedMegatronDatasetBuilder`` (``--data-path [w1] p1
+[w2] p2 ...``, ``--split``); their document/sample/shuffle indices are cached under
+``--data-cache-path`` by megatron-core and reused by every later run with the same settings
+(``tools/build_data_cache.py`` builds them ahead of training on one process).
+
+The position in the data is one number, the global count of consumed samples. The sampler
+starts from it, and ``DataState`` keeps it (with a fingerprint of the dataset) for checkpoints,
+so a resumed run sees exactly the samples an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from megatron_tempnet.data.indexed import validate_indexed_dataset
+from megatron_tempnet.utils.logging import get_logger, warn_rank0
+
+logger = get_logger(__name__)
+
+
+class DataConfigError(ValueError):
+    """A data flag with an unusable value; the message names the flag."""
+
+
+@dataclass
+class GPTDataConfig:
+    """Where the training tokens come from and how samples are cut."""
+
+    data_path: list[str]
+    """--data-path: dataset prefixes, optionally each preceded by its weight: [w1] p1 [w2] p2."""
+    split: str = "969,30,1"
+    """--split: train,valid,test proportions of every dataset's documents."""
+    seq_length: int = 1024
+    """--seq-length: tokens per sample (each sample reads seq_length + 1 tokens)."""
+    seed: int = 1234
+    """--seed: shuffles documents and samples."""
+    data_cache_path: str | None = None
+    """--data-cache-path: where the sample indices are cached (default: beside each dataset)."""
+    reset_position_ids: bool = False
+    """--reset-position-ids: restart position ids after every end-of-document token."""
+    reset_attention_mask: bool = False
+    """--reset-attention-mask: no attention across end-of-document tokens."""
+    eod_mask_loss: bool = False
+    """--eod-mask-loss: no loss on end-of-document targets."""
+    create_attention_mask: bool = False
+    """Return an explicit [1, s, s] causal mask per sample (only needed by some kernels)."""
+
+
+def parse_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
+    """Split ``--data-path`` into prefixes and weights, checking every dataset on disk."""
+    if not data_path:
+        raise DataConfigError("--data-path is empty; give at least one dataset prefix")
+    weighted = len(data_path) % 2 == 0 and _is_number(data_path[0])
+    if weighted:
+        raw_weights, prefixes = data_path[0::2], list(data_path[1::2])
+        weights = []
+        for w, prefix in zip(raw_weights, prefixes):
+            if not _is_number(w) or float(w) <= 0 or not math.isfinite(float(w)):
+                raise DataConfigError(
+                    f"--data-path: weight {w!r} before {prefix!r} must be a positive number "
+                    "(give weights for all datasets or for none)"
+                )
+            weights.append(float(w))
+    else:
+        prefixes, weights = list(data_path), None
+        numbers = [p for p in prefixes if _is_number(p)]
+        if numbers:
+            raise DataConfigError(
+                f"--data-path: {numbers[0]!r} looks like a weight but the list does not alternate "
+                "weight, prefix (give weights for all datasets or for none)"
+            )
+    for prefix in prefixes:
+        if prefix.endswith((".bin", ".idx")):
+            raise DataConfigError(
+                f"--data-path {prefix!r}: give the prefix without .bin/.idx (here {prefix[:-4]!r})"
+            )
+        validate_indexed_dataset(prefix)
+    return prefixes, weights
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
+
+
+def parse_split(split: str) -> list[float]:
+    """``"949,50,1"`` -> three non-negative proportions (missing ones are zero)."""
+    try:
+        parts = [float(x) for x in split.replace("/", ",").split(",")]
+    except ValueError:
+        raise DataConfigError(f"--split {split!r}: expected numbers such as 949,50,1") from None
+    if len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise DataConfigError(
+            f"--split {split!r}: expected up to three non-negative numbers with a positive sum"
+        )
+    return parts + [0.0] * (3 - len(parts))
+
+
+def num_samples(
+    train_iters: int, global_batch_size: int, eval_interval: int, eval_iters: int
+) -> list[int]:
+    """Samples each split must provide: [train, valid, test] (Megatron-LM's convention)."""
+    evaluations = train_iters // eval_interval + 1 if eval_interval > 0 else 0
+    return [
+        train_iters * global_batch_size,
+        evaluations * eval_iters * global_batch_size,
+        eval_iters * global_batch_size,
+    ]
+
+
+def build_gpt_datasets(config: GPTDataConfig, tokenizer, sizes: list[int]) -> list:
+    """[train, valid, test] megatron-core datasets (None where a split is empty).
+
+    ``tokenizer`` needs ``vocab_size``, ``eod`` and ``unique_identifiers`` (see ``tokenizers``).
+    Under torch.distributed, rank 0 builds (or loads) the cached indices first and the other
+    ranks then load them (megatron-core's protocol).
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    prefixes, weights = parse_blend(config.data_path)
+    split = ",".join(f"{p:g}" for p in parse_split(config.split))
+    if config.seq_length < 1:
+        raise DataConfigError(f"--seq-length ({config.seq_length}) must be >= 1")
+    if config.data_cache_path:
+        os.makedirs(config.data_cache_path, exist_ok=True)
+    gpt_config = GPTDatasetConfig(
+        random_seed=config.seed,
+        sequence_length=config.seq_length,
+        blend=(prefixes, weights),
+        split=split,
+        path_to_cache=config.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=config.reset_position_ids,
+        reset_attention_mask=config.reset_attention_mask,
+        eod_mask_loss=config.eod_mask_loss,
+        create_attention_mask=config.create_attention_mask,
+    )
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gpt_config)
+    with _process_group_for_builder():
+        return builder.build()
+
+
+@contextlib.contextmanager
+def _process_group_for_builder():
+    """Upstream workaround: megatron-core 0.16's ``BlendedDataset`` calls
+    ``torch.distributed.get_rank()`` when it caches its indices, even in a single process with no
+    process group. Give such a process a private one-rank gloo group for the build.
+    (tests/unit/test_gpt_data.py fails when upstream no longer needs this.)"""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def dataset_fingerprint(dataset) -> str | None:
+    """megatron-core's hash of everything that decides a dataset's samples (None for None)."""
+    return None if dataset is None else dataset.unique_description_hash
+
+
+class PretrainingSampler:
+    """Micro-batches of sample indices for one data-parallel rank, in global order.
+
+    Global batch ``g`` (of ``micro_batch_size * data_parallel_size`` samples) covers indices
+    ``consumed_samples + g * mbs * dp ...``; rank ``r`` takes the ``r``-th slice of each. Only
+    full global micro-batches are produced. Starting from ``consumed_samples`` resumes exactly.
+    """
+
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+    ):
+        if micro_batch_size < 1 or data_parallel_size < 1:
+            raise DataConfigError("micro batch size and data-parallel size must be >= 1")
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise DataConfigError(
+                f"data-parallel rank {data_parallel_rank} outside [0, {data_parallel_size})"
+            )
+        if not 0 <= consumed_samples <= total_samples:
+            raise DataConfigError(
+                f"consumed samples ({consumed_samples}) outside the dataset's {total_samples}: "
+                "the checkpoint's data position does not fit this dataset"
+            )
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.rank, self.world = data_parallel_rank, data_parallel_size
+
+    def __len__(self) -> int:
+        return (self.total_samples - self.consumed_samples) // (self.micro_batch_size * self.world)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.micro_batch_size * self.world
+        first = self.consumed_samples + self.rank * self.micro_batch_size
+        for start in range(first, first + len(self) * step, step):
+            yield list(range(start, start + self.micro_batch_size))
+
+
+@dataclass
+class DataState:
+    """The checkpointed position in the training data."""
+
+    consumed_samples: int
+    fingerprint: str | None
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples, "fingerprint": self.fingerprint}
+
+    @classmethod
+    def from_state_dict(cls, state: dict, dataset) -> DataState:
+        """Restore, warning when the dataset now differs from the checkpoint's."""
+        now = dataset_fingerprint(dataset)
+        if state.get("fingerprint") and now and state["fingerprint"] != now:
+            warn_rank0(
+                "the training data differs from the checkpoint's (dataset hash %s, was %s): "
+                "the resumed run continues at sample %d of the new data",
+                now,
+                state["fingerprint"],
+                state["consumed_samples"],
+            )
+        return cls(int(state["consumed_samples"]), now)
+
+
+class ResumableLoader:
+    """A DataLoader over a ``PretrainingSampler`` that counts what it has handed out.
+
+    ``state()`` is the position after the micro-batches returned so far, whatever the
+    DataLoader's workers have prefetched.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        state: DataState,
+        micro_batch_size: int,
+        data_parallel_rank: int = 0,
+        data_parallel_size: int = 1,
+        num_workers: int = 0,
+    ):
+        import torch
+
+        self.state_ = DataState(state.consumed_samples, state.fingerprint)
+        self._step = micro_batch_size * data_parallel_size
+        sampler = PretrainingSampler(
+            len(dataset),
+            state.consumed_samples,
+            micro_batch_size,
+            data_parallel_rank,
+            data_parallel_size,
+        )
+        self._loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            num_workers=num_workers,
+            pin_memory=False,
+            persistent_workers=num_workers > 0,
+        )
+        self._iter = iter(self._loader)
+
+    def __iter__(self) -> ResumableLoader:
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self._iter)
+        self.state_.consumed_samples += self._step
+        return batch
+
+    def state(self) -> DataState:
+        return DataState(self.state_.consumed_samples, self.state_.fingerprint)

@@ -1,0 +1,355 @@
+"""Tokenize JSON-lines corpora into megatron-core indexed datasets, streaming and in parallel.
+
+The main process reads the inputs block by block and cuts them into chunks of lines; worker
+processes parse and tokenize the chunks; the main process writes the results in input order. At
+most ``2 * workers`` chunks are in flight, so memory is flat whatever the input size, and the
+output is byte-identical whatever ``workers`` is.
+
+Inputs are split into ``partitions`` contiguous groups of files (balanced by size). Each group is
+written as its own dataset; by default the groups are then merged into one dataset (identical to
+a single-partition run) and removed, ``keep_partitions`` keeps them apart, and ``partition_index``
+processes one group only (one job per partition on a cluster; merge with
+``tools/merge_datasets.py``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections import Counter, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatron_tempnet.data.indexed import (
+    IndexedDatasetWriter,
+    IndexSummary,
+    merge_datasets,
+    token_dtype,
+)
+from megatron_tempnet.data.jsonl import InputError, LineChunk, iter_line_chunks, parse_line
+from megatron_tempnet.data.tokenizers import build_tokenizer
+from megatron_tempnet.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class PreprocessError(ValueError):
+    """A user-facing preprocessing failure: names the flag, or the file and line."""
+
+
+@dataclass
+class PreprocessConfig:
+    """What ``tools/preprocess_data.py`` does; fields mirror its flags."""
+
+    inputs: list[str]
+    """--input: .jsonl / .jsonl.zst / .jsonl.gz files, in order."""
+    output_prefix: str
+    """--output-prefix P: writes P_{key}_document.bin/.idx for every JSON key."""
+    tokenizer: dict
+    """Keyword arguments of ``build_tokenizer`` (--tokenizer-type and its files)."""
+    json_keys: tuple[str, ...] = ("text",)
+    """--json-keys: the string fields to tokenize (one dataset each)."""
+    append_eod: bool = False
+    """--append-eod: end every document with the tokenizer's end-of-document id."""
+    workers: int = 1
+    """--workers: tokenizer processes (1 = tokenize in the main process)."""
+    partitions: int = 1
+    """--partitions: contiguous groups of input files, each written as a dataset first."""
+    keep_partitions: bool = False
+    """--keep-partitions: keep the partition datasets instead of merging them."""
+    partition_index: int | None = None
+    """--partition-index: process only this partition (implies keeping it)."""
+    skip_bad_lines: bool = False
+    """--skip-bad-lines: skip and count bad lines instead of stopping at the first."""
+    overwrite: bool = False
+    """--overwrite: replace existing output datasets."""
+    log_interval: float = 10.0
+    """--log-interval-seconds: seconds between progress lines."""
+    chunk_bytes: int = 1 << 22
+    """Uncompressed bytes of input per unit of work."""
+
+
+@dataclass
+class EncodedChunk:
+    source: str
+    first_line: int
+    nbytes: int
+    tokens: dict[str, np.ndarray]  # key -> tokens of the chunk's documents, concatenated
+    lengths: dict[str, np.ndarray]  # key -> [n_docs] int32
+    bad: list[tuple[int, str]] = field(default_factory=list)  # (line number, reason)
+    blank: int = 0
+    empty: int = 0  # documents with no tokens (left out)
+
+
+# ---- worker side -------------------------------------------------------------------------------
+
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer: dict, keys: tuple[str, ...], append_eod: bool, dtype: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # parallelism comes from the workers
+    tok = build_tokenizer(**tokenizer)
+    _WORKER.update(tokenizer=tok, keys=keys, eod=tok.eod if append_eod else None, dtype=dtype)
+
+
+def encode_chunk(chunk: LineChunk) -> EncodedChunk:
+    """Parse and tokenize one chunk (runs in a worker, after ``_init_worker``)."""
+    keys, tok = _WORKER["keys"], _WORKER["tokenizer"]
+    result = EncodedChunk(chunk.source, chunk.first_line, chunk.nbytes, {}, {})
+    texts: list[list[str]] = []
+    for i, line in enumerate(chunk.lines):
+        parsed = parse_line(line, keys)
+        if parsed is None:
+            result.blank += 1
+        elif isinstance(parsed, str):
+            result.bad.append((chunk.first_line + i, parsed))
+        else:
+            texts.append(parsed)
+    for k, key in enumerate(keys):
+        docs = tok.tokenize_batch([t[k] for t in texts]) if texts else []
+        if _WORKER["eod"] is not None:
+            docs = [ids + [_WORKER["eod"]] for ids in docs]
+        kept = [ids for ids in docs if ids]
+        result.empty += len(docs) - len(kept)
+        flat = [i for ids in kept for i in ids]
+        result.tokens[key] = np.asarray(flat, dtype=_WORKER["dtype"])
+        result.lengths[key] = np.asarray([len(ids) for ids in kept], dtype=np.int32)
+    return result
+
+
+# ---- main process ------------------------------------------------------------------------------
+
+
+class Interrupted(Exception):
+    """SIGINT/SIGTERM during preprocessing: partial outputs are removed before exiting."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+def check_output_free(prefix: str, overwrite: bool) -> None:
+    """Refuse to replace an existing dataset unless asked (--overwrite)."""
+    if not overwrite and (os.path.exists(prefix + ".idx") or os.path.exists(prefix + ".bin")):
+        raise PreprocessError(f"{prefix}.bin/.idx already exist; pass --overwrite to replace them")
+
+
+def dataset_prefix(output_prefix: str, key: str, partition: int | None = None) -> str:
+    """``P_{key}_document`` (Megatron-LM's naming), or ``P_part{i}_{key}_document``."""
+    part = "" if partition is None else f"_part{partition}"
+    return f"{output_prefix}{part}_{key}_document"
+
+
+def split_inputs(paths: list[str], partitions: int) -> list[list[str]]:
+    """Contiguous groups of files with about equal total size (each group non-empty)."""
+    if partitions > len(paths):
+        raise PreprocessError(
+            f"--partitions ({partitions}) exceeds the number of input files ({len(paths)}); "
+            "partitions are groups of whole files"
+        )
+    sizes = np.cumsum([os.path.getsize(p) for p in paths])
+    groups, start = [], 0
+    for i in range(partitions):
+        if i == partitions - 1:
+            end = len(paths)
+        else:
+            target = sizes[-1] * (i + 1) / partitions
+            end = start + 1
+            last_allowed = len(paths) - (partitions - i - 1)
+            while end < last_allowed and sizes[end] <= target:
+                end += 1
+        groups.append(paths[start:end])
+        start = end
+    return groups
+
+
+def _ordered_results(
+    chunks: Iterator[LineChunk], pool, max_in_flight: int
+) -> Iterator[EncodedChunk]:
+    """Results in input order with a bounded number of chunks in flight."""
+    if pool is None:
+        for chunk in chunks:
+            yield encode_chunk(chunk)
+        return
+    pending: deque = deque()
+    try:
+        for chunk in chunks:
+            pending.append(pool.apply_async(encode_chunk, (chunk,)))
+            if len(pending) >= max_in_flight:
+                yield pending.popleft().get()
+    except InputError:
+        while pending:  # report a bad line earlier in the file before the read error
+            yield pending.popleft().get()
+        raise
+    while pending:
+        yield pending.popleft().get()
+
+
+class _Progress:
+    def __init__(self, interval: float):
+        self.interval, self.start, self.last = interval, time.monotonic(), time.monotonic()
+        self.docs = self.tokens = self.nbytes = self.bad = self.blank = self.empty = 0
+        self.reasons: Counter = Counter()
+
+    def update(self, res: EncodedChunk, keys: tuple[str, ...]) -> None:
+        self.docs += int(res.lengths[keys[0]].size)
+        self.tokens += sum(int(res.lengths[k].sum(dtype=np.int64)) for k in keys)
+        self.nbytes += res.nbytes
+        self.blank += res.blank
+        self.empty += res.empty
+        now = time.monotonic()
+        if now - self.last >= self.interval:
+            self.last = now
+            logger.info("%s", self.line())
+
+    def line(self) -> str:
+        secs = max(time.monotonic() - self.start, 1e-9)
+        return (
+            f"{self.docs:,} documents, {self.tokens:,} tokens, {self.nbytes / 1e6:,.1f} MB read "
+            f"in {secs:.1f} s ({self.docs / secs:,.0f} docs/s, {self.nbytes / 1e6 / secs:.2f} MB/s)"
+        )
+
+
+def _consume(config: PreprocessConfig, files: list[str], pool, writers, progress) -> None:
+    keys = config.json_keys
+    chunks = (c for path in files for c in iter_line_chunks(path, config.chunk_bytes))
+    for res in _ordered_results(chunks, pool, 2 * max(config.workers, 1)):
+        for line_no, reason in res.bad:
+            where = f"{res.source}:{line_no}: {reason}"
+            if not config.skip_bad_lines:
+                raise PreprocessError(f"{where} (--skip-bad-lines skips and counts such lines)")
+            logger.warning("skipped %s", where)
+            progress.bad += 1
+            progress.reasons[reason.split(" (")[0]] += 1
+        for key in keys:
+            writers[key].add_documents(res.tokens[key], res.lengths[key])
+        progress.update(res, keys)
+
+
+def _write_partition(config, files, prefixes, dtype, pool, progress) -> list[IndexSummary]:
+    writers: dict[str, IndexedDatasetWriter] = {}
+    try:
+        for key in config.json_keys:
+            writers[key] = IndexedDatasetWriter(prefixes[key], dtype)
+        _consume(config, files, pool, writers, progress)
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    return [writers[key].finalize() for key in config.json_keys]
+
+
+def _check_config(config: PreprocessConfig) -> None:
+    if config.workers < 1:
+        raise PreprocessError(f"--workers ({config.workers}) must be >= 1")
+    if config.partitions < 1:
+        raise PreprocessError(f"--partitions ({config.partitions}) must be >= 1")
+    if config.partition_index is not None and not 0 <= config.partition_index < config.partitions:
+        raise PreprocessError(
+            f"--partition-index ({config.partition_index}) must be in [0, --partitions "
+            f"({config.partitions}))"
+        )
+    if not config.json_keys or len(set(config.json_keys)) != len(config.json_keys):
+        keys = list(config.json_keys)
+        raise PreprocessError(f"--json-keys {keys} must be distinct and non-empty")
+    out_dir = os.path.dirname(os.path.abspath(config.output_prefix))
+    if not os.path.isdir(out_dir):
+        raise PreprocessError(f"--output-prefix {config.output_prefix!r}: no directory {out_dir}")
+
+
+def _planned_outputs(config: PreprocessConfig) -> list[str]:
+    separate = config.keep_partitions or config.partition_index is not None
+    if config.partitions == 1 or not separate:
+        return [dataset_prefix(config.output_prefix, k) for k in config.json_keys]
+    parts = range(config.partitions) if config.partition_index is None else [config.partition_index]
+    return [dataset_prefix(config.output_prefix, k, p) for p in parts for k in config.json_keys]
+
+
+def run_preprocess(config: PreprocessConfig) -> list[IndexSummary]:
+    """Run a whole preprocessing job; returns the summaries of the datasets written."""
+    _check_config(config)
+    tokenizer = build_tokenizer(**config.tokenizer)
+    if config.append_eod and tokenizer.eod is None:
+        raise PreprocessError(f"--append-eod: {tokenizer!r} has no end-of-document token")
+    dtype = token_dtype(tokenizer.vocab_size)
+    groups = split_inputs(config.inputs, config.partitions)
+    for prefix in _planned_outputs(config):
+        check_output_free(prefix, config.overwrite)
+    logger.info(
+        "tokenizer %r, token dtype %s, %d input file(s), %d worker(s)",
+        tokenizer,
+        np.dtype(dtype).name,
+        len(config.inputs),
+        config.workers,
+    )
+    init_args = (config.tokenizer, tuple(config.json_keys), config.append_eod, np.dtype(dtype).name)
+    progress = _Progress(config.log_interval)
+    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    pool = None
+    try:
+        if config.workers > 1:
+            pool = mp.get_context("spawn").Pool(config.workers, _init_worker, init_args)
+        else:
+            _init_worker(*init_args)
+            signal.signal(signal.SIGINT, _raise_interrupted)
+        summaries = _run_partitions(config, groups, dtype, pool, progress)
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    _report(progress, summaries)
+    return summaries
+
+
+def _run_partitions(config, groups, dtype, pool, progress) -> list[IndexSummary]:
+    keys = config.json_keys
+    if config.partitions == 1:
+        prefixes = {k: dataset_prefix(config.output_prefix, k) for k in keys}
+        return _write_partition(config, groups[0], prefixes, dtype, pool, progress)
+    indices = [config.partition_index] if config.partition_index is not None else []
+    indices = indices or list(range(config.partitions))
+    summaries = []
+    for p in indices:
+        prefixes = {k: dataset_prefix(config.output_prefix, k, p) for k in keys}
+        logger.info("partition %d/%d: %d file(s)", p, config.partitions, len(groups[p]))
+        summaries += _write_partition(config, groups[p], prefixes, dtype, pool, progress)
+    if config.keep_partitions or config.partition_index is not None:
+        return summaries
+    merged = []
+    for key in keys:
+        parts = [dataset_prefix(config.output_prefix, key, p) for p in indices]
+        merged.append(merge_datasets(parts, dataset_prefix(config.output_prefix, key)))
+        for part in parts:
+            os.remove(part + ".idx")
+            os.remove(part + ".bin")
+    return merged
+
+
+def _report(progress: _Progress, summaries: list[IndexSummary]) -> None:
+    logger.info("done: %s", progress.line())
+    for s in summaries:
+        logger.info(
+            "wrote %s.bin/.idx: %d documents, %d tokens, %s",
+            s.prefix,
+            s.num_documents,
+            s.num_tokens,
+            np.dtype(s.dtype).name,
+        )
+    if progress.bad:
+        detail = ", ".join(f"{r}: {n}" for r, n in progress.reasons.most_common())
+        logger.warning("skipped %d bad line(s) (%s)", progress.bad, detail)
+    if progress.blank:
+        logger.info("ignored %d blank line(s)", progress.blank)
+    if progress.empty:
+        logger.warning("left out %d document(s) with no tokens", progress.empty)

@@ -1,0 +1,199 @@
+"""Tokenizers for preprocessing and training: SentencePiece, GPT-2 byte-level BPE, Hugging Face.
+
+Every tokenizer exposes the same small surface: ``tokenize``/``tokenize_batch`` (text -> ids),
+``detokenize`` (ids -> text), ``vocab_size`` (number of ids, special tokens included) and ``eod``
+(the end-of-document id, or None when the vocabulary has none). ``unique_identifiers`` lets
+megatron-core's ``GPTDatasetConfig`` hash the tokenizer into its dataset-cache key.
+
+The module imports no torch, so preprocessing workers start quickly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
+GPT2_EOD_TOKEN = "<|endoftext|>"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be built from the given files or flags."""
+
+
+def _file_digest(*paths: str) -> str:
+    """Short content hash of tokenizer files: the cache key follows the vocabulary, not the path."""
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+def _require_file(path: str | None, flag: str, tokenizer_type: str) -> str:
+    if not path:
+        raise TokenizerError(f"--tokenizer-type {tokenizer_type} needs {flag}")
+    if not os.path.isfile(path):
+        raise TokenizerError(f"{flag} {path!r}: no such file")
+    return path
+
+
+class _Tokenizer:
+    """Shared surface; subclasses set ``vocab_size``, ``eod`` and ``_identity``."""
+
+    vocab_size: int
+    eod: int | None
+    _identity: dict
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenize_batch([text])[0]
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    @property
+    def unique_identifiers(self) -> dict:
+        ids = {"class": type(self).__name__, "vocab_size": self.vocab_size, "eod": self.eod}
+        return {**ids, **self._identity}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod})"
+
+
+class SentencePieceTokenizer(_Tokenizer):
+    """A SentencePiece model (LLaMA-1/2 use one); end of document = the model's EOS piece."""
+
+    def __init__(self, model_file: str):
+        import sentencepiece
+
+        self.model_file = model_file
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        except (OSError, RuntimeError) as e:
+            raise TokenizerError(
+                f"--tokenizer-model {model_file!r}: not a SentencePiece model ({e})"
+            ) from None
+        self.vocab_size = int(self._sp.vocab_size())
+        eos = int(self._sp.eos_id())
+        self.eod = eos if eos >= 0 else None
+        self._identity = {"model_sha256": _file_digest(model_file)}
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # one thread: preprocessing parallelises over worker processes instead
+        return self._sp.encode(list(texts), num_threads=1)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+class GPT2BPETokenizer(_Tokenizer):
+    """GPT-2's byte-level BPE from ``vocab.json`` + ``merges.txt``; end of document = <|endoftext|>.
+
+    Encoding is lossless: every string round-trips through ``detokenize(tokenize(s))``.
+    """
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        self.vocab_file, self.merge_file = vocab_file, merge_file
+        try:
+            bpe = models.BPE.from_file(vocab_file, merge_file)
+        except Exception as e:  # the Rust loader raises a bare Exception
+            raise TokenizerError(
+                f"--vocab-file {vocab_file!r} / --merge-file {merge_file!r}: cannot load a GPT-2 "
+                f"BPE vocabulary ({e})"
+            ) from None
+        tok = Tokenizer(bpe)
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        self._tok = tok
+        self.vocab_size = int(tok.get_vocab_size())
+        self.eod = tok.token_to_id(GPT2_EOD_TOKEN)
+        self._identity = {"vocab_sha256": _file_digest(vocab_file, merge_file)}
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [enc.ids for enc in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class HuggingFaceTokenizer(_Tokenizer):
+    """Any tokenizer ``transformers.AutoTokenizer`` loads from a local directory.
+
+    No special tokens are added when tokenizing (pretraining data gets only the EOD that
+    ``--append-eod`` asks for); end of document = the tokenizer's EOS token.
+    """
+
+    def __init__(self, path: str):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:
+            raise TokenizerError(
+                "--tokenizer-type HuggingFaceTokenizer needs the `transformers` package"
+            ) from e
+        self.path = path
+        try:
+            self._tok = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise TokenizerError(
+                f"--tokenizer-model {path!r}: cannot load a tokenizer ({e})"
+            ) from None
+        self.vocab_size = len(self._tok)
+        self.eod = self._tok.eos_token_id
+        files = sorted(
+            os.path.join(path, f)
+            for f in os.listdir(path)
+            if f.endswith((".json", ".txt", ".model")) and os.path.isfile(os.path.join(path, f))
+        )
+        self._identity = {"files_sha256": _file_digest(*files)}
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._tok(list(texts), add_special_tokens=False)["input_ids"]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+def build_tokenizer(
+    tokenizer_type: str,
+    *,
+    tokenizer_model: str | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+) -> _Tokenizer:
+    """Build a tokenizer from Megatron-LM's flags (``--tokenizer-type`` and its files)."""
+    if tokenizer_type == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(
+            _require_file(tokenizer_model, "--tokenizer-model", tokenizer_type)
+        )
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(
+            _require_file(vocab_file, "--vocab-file", tokenizer_type),
+            _require_file(merge_file, "--merge-file", tokenizer_type),
+        )
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if not tokenizer_model or not os.path.isdir(tokenizer_model):
+            raise TokenizerError(
+                "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model pointing at a "
+                f"local tokenizer directory (got {tokenizer_model!r})"
+            )
+        return HuggingFaceTokenizer(tokenizer_model)
+    raise TokenizerError(
+        f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}"
+    )
+
+
+def tokenizer_spec(args) -> dict:
+    """The keyword arguments of ``build_tokenizer`` from parsed flags (picklable, for workers)."""
+    return {
+        "tokenizer_type": args.tokenizer_type,
+        "tokenizer_model": getattr(args, "tokenizer_model", None),
+        "vocab_file": getattr(args, "vocab_file", None),
+        "merge_file": getattr(args, "merge_file", None),
+    }

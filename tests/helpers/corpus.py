@@ -1,0 +1,101 @@
+"""Real English text and tiny tokenizers built in-process, for the data-pipeline tests.
+
+The text is Python's own ``pydoc_data`` topics (~0.7 MB of documentation prose and code).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+import zstandard
+
+
+def pydoc_documents(n: int | None = None, max_chars: int = 4000) -> list[str]:
+    """Documents cut from pydoc's help topics (deterministic order; non-ASCII included)."""
+    from pydoc_data.topics import topics
+
+    docs = []
+    for name in sorted(topics):
+        text = topics[name].strip()
+        for start in range(0, len(text), max_chars):
+            docs.append(text[start : start + max_chars])
+    docs.append("Unicode survives: naïve café, 東京, emoji 🙂, tab\there, CRLF\r\nend.")
+    return docs if n is None else [docs[i % len(docs)] for i in range(n)]
+
+
+def write_jsonl(path: str, records: list, *, raw_lines: dict[int, bytes] | None = None) -> str:
+    """Write JSON lines to ``path`` (.jsonl, .jsonl.zst or .jsonl.gz by suffix).
+
+    ``records`` are dicts (serialised) or bytes (written as they are); ``raw_lines`` inserts
+    extra raw lines before the given 0-based record positions.
+    """
+    lines = []
+    for i, rec in enumerate(records):
+        if raw_lines and i in raw_lines:
+            lines.append(raw_lines[i])
+        lines.append(rec if isinstance(rec, bytes) else json.dumps(rec).encode())
+    data = b"\n".join(lines) + b"\n"
+    if path.endswith(".zst"):
+        data = zstandard.ZstdCompressor(level=3).compress(data)
+    elif path.endswith(".gz"):
+        data = gzip.compress(data, mtime=0)
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
+def train_sentencepiece(directory: str, vocab_size: int = 400) -> str:
+    """A tiny lossless SentencePiece BPE model (identity normalisation, byte fallback)."""
+    import sentencepiece as spm
+
+    prefix = os.path.join(directory, "tiny_sp")
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(pydoc_documents()),
+        model_prefix=prefix,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        split_by_whitespace=True,
+        max_sentence_length=1 << 16,
+        minloglevel=2,
+    )
+    return prefix + ".model"
+
+
+def _train_byte_level_bpe(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(pydoc_documents(), trainer)
+    return tok
+
+
+def train_gpt2_bpe(directory: str, vocab_size: int = 600) -> tuple[str, str]:
+    """A tiny GPT-2-format BPE: ``vocab.json`` + ``merges.txt`` (with <|endoftext|>)."""
+    tok = _train_byte_level_bpe(vocab_size)
+    vocab_file, merges_file = tok.model.save(directory, "tiny_gpt2")
+    return vocab_file, merges_file
+
+
+def save_hf_tokenizer(directory: str, vocab_size: int = 500) -> str:
+    """A tiny ``transformers`` fast tokenizer directory (loads with AutoTokenizer)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _train_byte_level_bpe(vocab_size)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    out = os.path.join(directory, "tiny_hf")
+    hf.save_pretrained(out)
+    return out

@@ -1,0 +1,65 @@
+"""Build the sample-index cache of a training run ahead of time, on one process.
+
+Give it the data flags the run will use (and the batch/iteration flags that decide how many
+samples each split needs); the run then loads the cached indices from --data-cache-path instead
+of building them at start-up on rank 0 while every other rank waits.
+
+    python tools/build_data_cache.py --data-path 0.7 A_text_document 0.3 B_text_document \
+        --split 949,50,1 --seq-length 2048 --train-iters 20000 --global-batch-size 512 \
+        --eval-interval 1000 --eval-iters 10 --data-cache-path /scratch/cache \
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from megatron_tempnet.data.arguments import add_data_args, add_tokenizer_args, data_config_from_args
+from megatron_tempnet.data.cli import run_tool
+from megatron_tempnet.data.gpt_data import (
+    DataConfigError,
+    build_gpt_datasets,
+    dataset_fingerprint,
+    num_samples,
+)
+from megatron_tempnet.data.tokenizers import build_tokenizer, tokenizer_spec
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_data_args(p)
+    add_tokenizer_args(p)
+    g = p.add_argument_group("samples needed")
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, required=True)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.data_cache_path:
+        raise DataConfigError("--data-cache-path is required: it is where the cache is built")
+    for flag in ("train_iters", "global_batch_size", "eval_iters"):
+        if getattr(args, flag) < 0 or (flag != "eval_iters" and getattr(args, flag) == 0):
+            raise DataConfigError(f"--{flag.replace('_', '-')} ({getattr(args, flag)}) is invalid")
+    tokenizer = build_tokenizer(**tokenizer_spec(args))
+    sizes = num_samples(
+        args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters
+    )
+    datasets = build_gpt_datasets(data_config_from_args(args), tokenizer, sizes)
+    for name, size, ds in zip(("train", "valid", "test"), sizes, datasets):
+        if ds is None:
+            print(f"{name}: empty split")
+        else:
+            print(f"{name}: {len(ds)} samples (needs {size}), hash {dataset_fingerprint(ds)}")
+    files = os.listdir(args.data_cache_path)
+    print(f"cache: {args.data_cache_path} ({len(files)} files)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_tool(main))

@@ -1,0 +1,98 @@
+"""Tokenize .jsonl / .jsonl.zst / .jsonl.gz corpora into megatron-core indexed datasets.
+
+    python tools/preprocess_data.py --input owt2/*.jsonl.zst --output-prefix data/owt2 \
+        --tokenizer-type GPT2BPETokenizer \
+        --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt \
+        --append-eod --workers 16
+
+writes data/owt2_text_document.bin/.idx (train with --data-path data/owt2_text_document).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_tempnet.data.arguments import add_tokenizer_args
+from megatron_tempnet.data.cli import expand_inputs, run_tool
+from megatron_tempnet.data.preprocess import PreprocessConfig, run_preprocess
+from megatron_tempnet.data.tokenizers import tokenizer_spec
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    g = p.add_argument_group("input and output")
+    g.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="input files (.jsonl, .jsonl.zst, .jsonl.gz) or directories of them",
+    )
+    g.add_argument(
+        "--output-prefix",
+        required=True,
+        help="writes PREFIX_{key}_document.bin/.idx for every --json-keys key",
+    )
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="string fields to tokenize")
+    g.add_argument("--overwrite", action="store_true", help="replace existing output datasets")
+    add_tokenizer_args(p)
+    g = p.add_argument_group("processing")
+    g.add_argument(
+        "--append-eod",
+        action="store_true",
+        help="end every document with the tokenizer's end-of-document token",
+    )
+    g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    g.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        help="split the input files into this many contiguous groups, each written as "
+        "PREFIX_part{i}_{key}_document, then merged (see --keep-partitions)",
+    )
+    g.add_argument(
+        "--keep-partitions",
+        action="store_true",
+        help="keep the partition datasets separate instead of merging them",
+    )
+    g.add_argument(
+        "--partition-index",
+        type=int,
+        help="process only this partition (e.g. one per SLURM array task); merge "
+        "later with tools/merge_datasets.py",
+    )
+    g.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        help="skip lines that are not a JSON object with string --json-keys, report "
+        "each one and count them (default: stop at the first, naming file:line)",
+    )
+    g.add_argument(
+        "--log-interval-seconds", type=float, default=10.0, help="seconds between progress lines"
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = PreprocessConfig(
+        inputs=expand_inputs(args.input),
+        output_prefix=args.output_prefix,
+        tokenizer=tokenizer_spec(args),
+        json_keys=tuple(args.json_keys),
+        append_eod=args.append_eod,
+        workers=args.workers,
+        partitions=args.partitions,
+        keep_partitions=args.keep_partitions,
+        partition_index=args.partition_index,
+        skip_bad_lines=args.skip_bad_lines,
+        overwrite=args.overwrite,
+        log_interval=args.log_interval_seconds,
+    )
+    run_preprocess(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_tool(main))
