@@ -99,3 +99,33 @@ def save_hf_tokenizer(directory: str, vocab_size: int = 500) -> str:
     out = os.path.join(directory, "tiny_hf")
     hf.save_pretrained(out)
     return out
+
+
+def blend_corpus(directory: str) -> dict:
+    """Two GPT-2 BPE datasets with different text (A: pydoc topics; B: 60 of them upper-cased)."""
+    from megatron_tempnet.data.preprocess import PreprocessConfig, run_preprocess
+    from megatron_tempnet.data.tokenizers import build_tokenizer
+
+    vocab, merges = train_gpt2_bpe(directory)
+    spec = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab, "merge_file": merges}
+    docs = {"A": pydoc_documents(), "B": [t.upper() for t in pydoc_documents(60)]}
+    prefixes = {}
+    for name, texts in docs.items():
+        path = write_jsonl(os.path.join(directory, f"{name}.jsonl"), [{"text": t} for t in texts])
+        config = PreprocessConfig([path], os.path.join(directory, name), spec, append_eod=True)
+        prefixes[name] = run_preprocess(config)[0].prefix
+    return {"spec": spec, "tokenizer": build_tokenizer(**spec), "prefix": prefixes}
+
+
+def blend_config(corpus: dict, cache: str, seq_length: int, **kw):
+    """70/30 blend of the two datasets of ``blend_corpus``, split 90/8/2."""
+    from megatron_tempnet.data.gpt_data import GPTDataConfig
+
+    p = corpus["prefix"]
+    return GPTDataConfig(
+        data_path=["0.7", p["A"], "0.3", p["B"]],
+        split="90,8,2",
+        seq_length=seq_length,
+        data_cache_path=cache,
+        **kw,
+    )
