@@ -391,3 +391,14 @@ def test_interrupted_run_leaves_no_complete_looking_index(tmp_path, tokenizers, 
         assert not [f for f in left if f.endswith(".partial")], left
     else:
         assert proc.returncode == -signal.SIGKILL
+
+
+def test_progress_lines_report_documents_tokens_and_throughput(tmp_path, tokenizers, caplog):
+    path = write_jsonl(str(tmp_path / "in.jsonl"), [{"text": d} for d in pydoc_documents(40)])
+    with caplog.at_level(logging.INFO, logger="megatron_tempnet"):
+        (s,) = _run([path], str(tmp_path / "o"), _spec(tokenizers, "GPT2BPETokenizer"),
+                    log_interval=0.0, chunk_bytes=10_000)  # fmt: skip
+    progress = [r.getMessage() for r in caplog.records if " docs/s, " in r.getMessage()]
+    assert len(progress) >= 3  # one per chunk, plus the final summary
+    assert progress[-1].startswith(f"done: 40 documents, {s.num_tokens:,} tokens, ")
+    assert progress[-1].endswith(" MB/s)")
