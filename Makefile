@@ -3,12 +3,13 @@
 # make install     only create/refresh .venv
 # make lint     ruff check + format check
 # make bench    loss benchmark (prints a table)
+# make bench-data  preprocessing throughput and memory on a generated 200 MB .jsonl.zst
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test install lint format bench quickstart clean
+.PHONY: test install lint format bench bench-data quickstart clean
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -38,6 +39,9 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/loss_bench.py
+
+bench-data: $(STAMP)
+	$(BIN)/python benchmarks/preprocess_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

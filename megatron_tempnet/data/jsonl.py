@@ -83,7 +83,7 @@ def _plain_blocks(fh) -> Iterator[bytes]:
     yield from iter(lambda: fh.read(_READ_BLOCK), b"")
 
 
-def iter_line_chunks(path: str, chunk_bytes: int = 1 << 22) -> Iterator[LineChunk]:
+def iter_line_chunks(path: str, chunk_bytes: int = 1 << 20) -> Iterator[LineChunk]:
     """Yield the lines of ``path`` (without newlines) in chunks of about ``chunk_bytes``."""
     with open(path, "rb") as fh:
         if path.endswith(".zst"):

@@ -69,8 +69,8 @@ class PreprocessConfig:
     """--overwrite: replace existing output datasets."""
     log_interval: float = 10.0
     """--log-interval-seconds: seconds between progress lines."""
-    chunk_bytes: int = 1 << 22
-    """Uncompressed bytes of input per unit of work."""
+    chunk_bytes: int = 1 << 20
+    """Uncompressed bytes of input per unit of work (2 per worker are in flight)."""
 
 
 @dataclass
@@ -88,6 +88,7 @@ class EncodedChunk:
 # ---- worker side -------------------------------------------------------------------------------
 
 _WORKER: dict = {}
+_TOKENIZE_BATCH = 16  # documents per tokenizer call
 
 
 def _init_worker(tokenizer: dict, keys: tuple[str, ...], append_eod: bool, dtype: str) -> None:
@@ -110,15 +111,20 @@ def encode_chunk(chunk: LineChunk) -> EncodedChunk:
             result.bad.append((chunk.first_line + i, parsed))
         else:
             texts.append(parsed)
+    eod = [] if _WORKER["eod"] is None else [_WORKER["eod"]]
     for k, key in enumerate(keys):
-        docs = tok.tokenize_batch([t[k] for t in texts]) if texts else []
-        if _WORKER["eod"] is not None:
-            docs = [ids + [_WORKER["eod"]] for ids in docs]
-        kept = [ids for ids in docs if ids]
-        result.empty += len(docs) - len(kept)
-        flat = [i for ids in kept for i in ids]
-        result.tokens[key] = np.asarray(flat, dtype=_WORKER["dtype"])
-        result.lengths[key] = np.asarray([len(ids) for ids in kept], dtype=np.int32)
+        arrays = []
+        # small batches, each turned into compact arrays at once: a tokenizer's per-token
+        # Python objects for a whole chunk would cost ~50x the chunk's size in a worker
+        for start in range(0, len(texts), _TOKENIZE_BATCH):
+            batch = [t[k] for t in texts[start : start + _TOKENIZE_BATCH]]
+            for ids in tok.tokenize_batch(batch):
+                arrays.append(np.asarray(ids + eod, dtype=_WORKER["dtype"]))
+        kept = [a for a in arrays if a.size]
+        result.empty += len(arrays) - len(kept)
+        empty = np.zeros(0, dtype=_WORKER["dtype"])
+        result.tokens[key] = np.concatenate(kept) if kept else empty
+        result.lengths[key] = np.asarray([a.size for a in kept], dtype=np.int32)
     return result
 
 
@@ -241,6 +247,12 @@ def _write_partition(config, files, prefixes, dtype, pool, progress) -> list[Ind
         for key in config.json_keys:
             writers[key] = IndexedDatasetWriter(prefixes[key], dtype)
         _consume(config, files, pool, writers, progress)
+        empty = [key for key, w in writers.items() if w.num_documents == 0]
+        if empty:
+            raise PreprocessError(
+                f"no documents with tokens under key(s) {empty} in {', '.join(files)}; "
+                "nothing written"
+            )
     except BaseException:
         for w in writers.values():
             w.abort()

@@ -84,9 +84,9 @@ def _train_byte_level_bpe(vocab_size: int):
 
 
 def train_gpt2_bpe(directory: str, vocab_size: int = 600) -> tuple[str, str]:
-    """A tiny GPT-2-format BPE: ``vocab.json`` + ``merges.txt`` (with <|endoftext|>)."""
+    """A GPT-2-format BPE trained on pydoc: ``vocab.json`` + ``merges.txt`` (with <|endoftext|>)."""
     tok = _train_byte_level_bpe(vocab_size)
-    vocab_file, merges_file = tok.model.save(directory, "tiny_gpt2")
+    vocab_file, merges_file = tok.model.save(directory, "gpt2_bpe")
     return vocab_file, merges_file
 
 

@@ -402,3 +402,12 @@ def test_progress_lines_report_documents_tokens_and_throughput(tmp_path, tokeniz
     assert len(progress) >= 3  # one per chunk, plus the final summary
     assert progress[-1].startswith(f"done: 40 documents, {s.num_tokens:,} tokens, ")
     assert progress[-1].endswith(" MB/s)")
+
+
+def test_input_without_documents_writes_nothing(tmp_path, tokenizers):
+    path = write_jsonl(str(tmp_path / "empty.jsonl"), [{"text": ""}, {"text": ""}])
+    with pytest.raises(
+        PreprocessError, match=r"no documents with tokens under key\(s\) \['text'\]"
+    ):
+        _run([path], str(tmp_path / "o"), _spec(tokenizers, "GPT2BPETokenizer"))
+    assert sorted(os.listdir(tmp_path)) == ["empty.jsonl"]
