@@ -1,23 +1,27 @@
 """Run megatron-core on CPU with gloo when no GPU is present (DESIGN.md §4).
 
-megatron-core assumes CUDA in two places that matter for CPU runs:
+megatron-core assumes CUDA in three places that matter for CPU runs:
 
 * about a hundred call sites allocate buffers with ``device=torch.cuda.current_device()``
   (all-gathers, the global memory buffer of core attention, GPU weight init), which raises on a
   CPU-only build of torch;
 * the RNG tracker behind ``get_cuda_rng_tracker().fork()`` (dropout inside tensor-parallel regions,
-  activation recompute) saves and restores CUDA generator states.
+  activation recompute) saves and restores CUDA generator states;
+* the causal mask core attention builds when it is given none (``get_default_causal_mask``) is
+  allocated with ``device="cuda"``.
 
-:func:`apply_cpu_support` redirects both to the CPU: ``torch.cuda.current_device()`` returns the
-CPU device, and megatron-core's tracker class and RNG state accessors are replaced by versions that
-keep named CPU generator states. It is a no-op when CUDA is available, idempotent, and checks every
-upstream symbol it touches first, so an upstream change fails here with a message instead of deep
+:func:`apply_cpu_support` redirects all three to the CPU: ``torch.cuda.current_device()``
+returns the CPU device, megatron-core's tracker class and RNG state accessors are replaced by
+versions that keep named CPU generator states, and the default causal mask is built on the CPU.
+It is a no-op when CUDA is available, idempotent, and checks every upstream symbol it touches
+first, so an upstream change fails here with a message instead of deep
 inside a model. megatron-core itself is never edited.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 
 import torch
@@ -46,6 +50,12 @@ def _set_cpu_rng_state(new_state: torch.Tensor, device=None, graph_safe: bool = 
     torch.set_rng_state(new_state)
 
 
+@functools.lru_cache(maxsize=32)
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    """[sq, sq] bool, True above the diagonal (the positions a query must not see)."""
+    return torch.ones(sq, sq, dtype=torch.bool).triu(1)
+
+
 def _require(module, name: str, params: tuple[str, ...] = ()) -> None:
     """Fail with a clear message if ``module.name`` is gone or lost one of ``params``."""
     where = f"{module.__name__}.{name}"
@@ -67,7 +77,12 @@ def _require(module, name: str, params: tuple[str, ...] = ()) -> None:
 def check_upstream() -> None:
     """Verify that megatron-core still exposes every symbol :func:`apply_cpu_support` replaces."""
     from megatron.core import package_info
+    from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mc_random
+    from megatron.core.transformer import utils as transformer_utils
+
+    _require(transformer_utils, "get_default_causal_mask", ("sq",))
+    _require(fused_softmax, "get_default_causal_mask", ("sq",))
 
     for name, params in (
         ("CudaRNGStatesTracker", ()),
@@ -141,7 +156,9 @@ def apply_cpu_support() -> bool:
     if _applied:
         return True
     check_upstream()
+    from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mc_random
+    from megatron.core.transformer import utils as transformer_utils
 
     torch.cuda.current_device = _cpu_current_device
     mc_random._get_cuda_rng_state = _get_cpu_rng_state
@@ -152,6 +169,8 @@ def apply_cpu_support() -> bool:
     mc_random.CudaRNGStatesTracker = tracker_cls
     mc_random._CUDA_RNG_STATE_TRACKER = tracker_cls()
     mc_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
+    fused_softmax.get_default_causal_mask = _cpu_default_causal_mask  # imported by name there
     _applied = True
     logger.debug("CPU runtime for megatron-core applied")
     return True

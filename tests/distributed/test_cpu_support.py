@@ -107,3 +107,11 @@ def test_an_unpinned_version_fails_loudly(monkeypatch):
     monkeypatch.setattr(package_info, "__version__", "0.17.0")
     with pytest.raises(cpu_support.CPUSupportError, match="0.17.0 is installed"):
         cpu_support.check_upstream()
+
+
+def test_a_missing_causal_mask_helper_fails_loudly(monkeypatch):
+    from megatron.core.fusions import fused_softmax
+
+    monkeypatch.delattr(fused_softmax, "get_default_causal_mask")
+    with pytest.raises(cpu_support.CPUSupportError, match="get_default_causal_mask no longer"):
+        cpu_support.check_upstream()
