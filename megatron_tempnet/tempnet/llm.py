@@ -46,6 +46,8 @@ class TempNetLM(nn.Module):
         padded_vocab_size: the output layer's padded vocabulary (a multiple of the TP size);
             default: ``vocab_size`` rounded up to a multiple of the TP size.
         phi_init: initial pooling temperature phi (1.0 for LLMs, Appendix D.1).
+        stop_grad: detach the logits (True, the paper's design); False lets tau's gradient
+            flow into the LM (the ablation ``--no-tempnet-stop-grad``).
 
     ``W1``'s columns are split like the logits: this rank holds the columns of the true tokens in
     its slice. ``state_dict`` always holds the full ``[d1, V]`` W1 (gathered over TP, so every TP
@@ -64,6 +66,7 @@ class TempNetLM(nn.Module):
         tp_group: dist.ProcessGroup | None = None,
         padded_vocab_size: int | None = None,
         phi_init: float = 1.0,
+        stop_grad: bool = True,
     ):
         super().__init__()
         check_tau_range(tau_min, tau_max)
@@ -88,6 +91,7 @@ class TempNetLM(nn.Module):
         self.partition_size = padded_vocab_size // self.tp.size
         self.part = vocab_partition(self.partition_size, self.tp.rank, vocab_size)
         self.tau_max_eval: float | None = None
+        self.stop_grad = stop_grad
 
         self.weight1 = nn.Parameter(torch.empty(hidden_size, self.part.n_true))
         self.bias1 = nn.Parameter(torch.empty(hidden_size))
@@ -115,7 +119,8 @@ class TempNetLM(nn.Module):
     ) -> torch.Tensor:
         """``[s, b, V_pad/tp]`` logits -> ``[s, b]`` tau in ``[tau_min, tau_max]``.
 
-        The logits are detached (stop-gradient): tau reaches the LM only through the loss.
+        The logits are detached (stop-gradient): tau reaches the LM only through the loss. With
+        ``stop_grad=False`` (the paper's ablation) tau's gradient also flows into the logits.
         ``tau_max`` overrides the upper bound for this call; in eval mode ``self.tau_max_eval``
         does, if set (Figure 9).
         """
@@ -128,7 +133,7 @@ class TempNetLM(nn.Module):
             )
         lead = vocab_parallel_logits.shape[:-1]
         logits_2d = vocab_parallel_logits.reshape(-1, self.partition_size)[:, : self.part.n_true]
-        y = normalised_parallel_linear(logits_2d, self.weight1, self.tp)  # [T, d1]
+        y = normalised_parallel_linear(logits_2d, self.weight1, self.tp, self.stop_grad)  # [T, d1]
         v = self.dropout(torch.sigmoid(y + self.bias1))
         u = v @ self.weight2.t()  # [T, d2]
         s = self.pooling(u)  # [T]

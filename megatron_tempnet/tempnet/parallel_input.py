@@ -4,9 +4,12 @@
 split the same way: each rank multiplies its slice, and one SUM all-reduce of ``[T, d1 + 1]``
 completes both the product and the squared norm (``W1 L / ||L|| = (W1 L) / ||L||``).
 
-The logits are a stop-gradient input: only ``W1`` gets a gradient, ``(g / ||L||)^T L`` on the
-local columns, which needs no communication because ``g`` is identical on every TP rank. The
-logits themselves are saved for that (no normalised copy is made).
+By default the logits are a stop-gradient input (the paper's design): only ``W1`` gets a
+gradient, ``(g / ||L||)^T L`` on the local columns, which needs no communication because ``g`` is
+identical on every TP rank. The logits themselves are saved for that (no normalised copy is
+made). Without the stop-gradient (the ablation), the logits get
+``dL = (g W1 - <g, y> L / ||L||) / ||L||`` on the local columns, ``y`` being the output: also
+without communication, since ``g`` and ``y`` are replicated.
 """
 
 from __future__ import annotations
@@ -27,24 +30,34 @@ class _NormalisedParallelLinear(torch.autograd.Function):
         bundle[:, -1] = torch.linalg.vector_norm(x, dim=1).square()
         tp.all_reduce(bundle)
         norm = bundle[:, -1].sqrt().clamp_min(_NORM_EPS)
-        ctx.save_for_backward(x, norm)
-        return bundle[:, :-1] / norm[:, None]
+        out = bundle[:, :-1] / norm[:, None]
+        # weight and out are only needed for the logits' gradient (the no-stop-gradient ablation)
+        keep = ctx.needs_input_grad[0]
+        ctx.save_for_backward(x, norm, weight if keep else None, out if keep else None)
+        ctx.in_dtype = logits_2d.dtype
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, norm = ctx.saved_tensors
-        grad_weight = None
+        x, norm, weight, out = ctx.saved_tensors
+        grad_logits = grad_weight = None
+        scaled = grad_out / norm[:, None]  # [T, d1]
         if ctx.needs_input_grad[1]:
-            grad_weight = (grad_out / norm[:, None]).t().matmul(x)
-        return None, grad_weight, None
+            grad_weight = scaled.t().matmul(x)
+        if ctx.needs_input_grad[0]:
+            along = (scaled * out).sum(dim=1, keepdim=True)  # <g, y> / ||L||, [T, 1]
+            grad_logits = (scaled.matmul(weight) - along * x / norm[:, None]).to(ctx.in_dtype)
+        return grad_logits, grad_weight, None
 
 
 def normalised_parallel_linear(
-    logits_2d: torch.Tensor, weight: torch.Tensor, tp: TPGroup
+    logits_2d: torch.Tensor, weight: torch.Tensor, tp: TPGroup, stop_grad: bool = True
 ) -> torch.Tensor:
-    """``[T, V_true_local]`` logits (detached), ``[d1, V_true_local]`` weight -> ``[T, d1]``.
+    """``[T, V_true_local]`` logits, ``[d1, V_true_local]`` weight -> ``[T, d1]``.
 
     The result is the full product ``W1 L / ||L||_2`` over the whole true vocabulary, identical on
-    every TP rank.
+    every TP rank. With ``stop_grad`` (default) the logits get no gradient.
     """
-    return _NormalisedParallelLinear.apply(logits_2d.detach(), weight, tp)
+    return _NormalisedParallelLinear.apply(
+        logits_2d.detach() if stop_grad else logits_2d, weight, tp
+    )

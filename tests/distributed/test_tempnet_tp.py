@@ -105,3 +105,24 @@ def test_checkpoint_saved_at_tp4_loads_at_tp1(by_tp):
     net.load_state_dict(state)
     logits, _ = _inputs(state["weight1"].dtype)
     assert_close(net(logits), by_tp[4][0]["tau_after"], 1e-6, "tau after reload at TP=1")
+
+
+def _no_stop_grad_logits_gradient():
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    net = TempNetLM(VOCAB, hidden_size=32, proj_size=16, padded_vocab_size=PADDED,
+                    tp_group=dist.group.WORLD, stop_grad=False).double()  # fmt: skip
+    logits, _ = _inputs(torch.float64)
+    width = PADDED // tp
+    local = logits[..., rank * width : (rank + 1) * width].clone().requires_grad_()
+    weights = torch.linspace(-1, 1, 20, dtype=torch.float64).view(5, 4)
+    (net(local) * weights).sum().backward()
+    return local.grad
+
+
+def test_no_stop_grad_logits_gradient_is_tp_invariant():
+    tp1 = run_distributed(_no_stop_grad_logits_gradient, 1)[0]
+    assert float(tp1[..., :VOCAB].abs().min()) > 0
+    for tp in (2, 4):
+        grad = torch.cat(run_distributed(_no_stop_grad_logits_gradient, tp), dim=-1)
+        assert_close(grad, tp1, 1e-12, f"tp={tp}")

@@ -105,3 +105,25 @@ def test_bad_configuration_is_named():
         TempNetLM(10)(torch.randn(2, 12))
     with pytest.raises(ValueError, match="padded_vocab_size"):
         TempNetLM(10, padded_vocab_size=8)
+
+
+def test_without_stop_grad_the_logits_get_tau_s_gradient():
+    """The ablation's input gradient equals autograd through the float64 reference formula."""
+    net = TempNetLM(20, hidden_size=6, proj_size=5, padded_vocab_size=24, stop_grad=False)
+    net = net.double()
+    logits = torch.randn(3, 2, 24, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(3, 2, dtype=torch.float64)
+    (grad,) = torch.autograd.grad((net(logits) * weights).sum(), [logits])
+    ref_logits = logits.detach().clone().requires_grad_()
+    (expected,) = torch.autograd.grad(
+        (_reference_tau(net, ref_logits, net.tau_max) * weights).sum(), [ref_logits]
+    )
+    torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-14)
+    assert float(grad[..., :20].abs().min()) > 0 and float(grad[..., 20:].abs().max()) == 0
+    names = [n for n, _ in net.named_parameters()]
+
+    def f(x, *values):
+        return torch.func.functional_call(net, dict(zip(names, values)), (x,))
+
+    values = tuple(p.detach().clone().requires_grad_() for p in net.parameters())
+    assert torch.autograd.gradcheck(f, (logits.detach().clone().requires_grad_(), *values))
