@@ -1,0 +1,1 @@
+"""Training: configuration, the objective, engine set-up, the loop, checkpoints, logging."""
