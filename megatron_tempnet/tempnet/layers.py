@@ -23,8 +23,10 @@ class ParameterisedPooling(nn.Module):
         if not phi_init > 0:
             raise ValueError(f"phi_init ({phi_init}) must be > 0")
         self.w3 = nn.Parameter(torch.ones(proj_size))
-        self.bias = nn.Parameter(torch.zeros(()))
-        self.log_phi = nn.Parameter(torch.tensor(math.log(phi_init)))
+        # shape [1], not scalars: DeepSpeed broadcasts parameters through byte views, which a
+        # 0-dim tensor cannot take
+        self.bias = nn.Parameter(torch.zeros(1))
+        self.log_phi = nn.Parameter(torch.full((1,), math.log(phi_init)))
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         """``u [..., d2]`` -> ``s [...]``."""
