@@ -18,7 +18,7 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--merge-file", help="GPT-2 merges.txt")
 
 
-def add_data_args(parser: argparse.ArgumentParser) -> None:
+def add_data_args(parser: argparse.ArgumentParser, seq_length_default: int | None = 1024) -> None:
     g = parser.add_argument_group("data")
     g.add_argument(
         "--data-path",
@@ -28,7 +28,7 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
         help="indexed dataset prefixes, each optionally preceded by its blending weight",
     )
     g.add_argument("--split", default="969,30,1", help="train,valid,test proportions")
-    g.add_argument("--seq-length", type=int, default=1024, help="tokens per sample")
+    g.add_argument("--seq-length", type=int, default=seq_length_default, help="tokens per sample")
     g.add_argument("--seed", type=int, default=1234, help="data shuffling seed")
     g.add_argument(
         "--data-cache-path", help="directory for the cached sample indices (default: beside data)"

@@ -34,7 +34,7 @@ def expand_inputs(paths: list[str]) -> list[str]:
     return files
 
 
-def run_tool(main: Callable[[], int]) -> int:
+def run_tool(main: Callable[[], int], user_errors: tuple[type[Exception], ...] = ()) -> int:
     """Run a tool's main with logging set up; user errors print one line and exit 1."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     # megatron-core warns that the optional GPU accelerators (apex, Transformer Engine) are absent
@@ -42,7 +42,7 @@ def run_tool(main: Callable[[], int]) -> int:
     warnings.filterwarnings("ignore", message=absent)
     try:
         return main()
-    except USER_ERRORS as e:
+    except USER_ERRORS + tuple(user_errors) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except Interrupted as e:

@@ -101,12 +101,12 @@ def save_hf_tokenizer(directory: str, vocab_size: int = 500) -> str:
     return out
 
 
-def blend_corpus(directory: str) -> dict:
+def blend_corpus(directory: str, vocab_size: int = 600) -> dict:
     """Two GPT-2 BPE datasets with different text (A: pydoc topics; B: 60 of them upper-cased)."""
     from megatron_tempnet.data.preprocess import PreprocessConfig, run_preprocess
     from megatron_tempnet.data.tokenizers import build_tokenizer
 
-    vocab, merges = train_gpt2_bpe(directory)
+    vocab, merges = train_gpt2_bpe(directory, vocab_size)
     spec = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab, "merge_file": merges}
     docs = {"A": pydoc_documents(), "B": [t.upper() for t in pydoc_documents(60)]}
     prefixes = {}

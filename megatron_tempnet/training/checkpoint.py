@@ -1,0 +1,106 @@
+"""Checkpoints: DeepSpeed's engine state plus what makes a resume exact.
+
+A checkpoint ``SAVE/iter_0000010/`` holds the engine's files (LM and TempNet weights, optimizer,
+per model-parallel rank), and ``client_state`` with the iteration, the data position and the
+resolved config; every rank adds its own RNG states (``rng_rank{r}.pt``). The learning rate is a
+function of the iteration, so it needs no state. ``SAVE/latest`` names the newest complete
+checkpoint: it is replaced atomically only after every rank has finished writing, so a crash
+during a save leaves the previous checkpoint as ``latest``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from megatron_tempnet.utils.logging import log_rank0
+
+LATEST = "latest"
+
+
+def tag_for(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, keep_last: int):
+    """Save on every rank (collective); publish ``latest`` when all ranks are done."""
+    tag = tag_for(iteration)
+    state = dict(client_state, iteration=iteration)
+    engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False)
+    torch.save(_rng_state(), os.path.join(save_dir, tag, f"rng_rank{dist.get_rank()}.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = os.path.join(save_dir, LATEST + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(tag)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(save_dir, LATEST))
+        if keep_last:
+            _prune(save_dir, keep_last)
+    dist.barrier()
+    log_rank0("saved checkpoint %s", os.path.join(save_dir, tag))
+
+
+def _prune(save_dir: str, keep_last: int) -> None:
+    tags = sorted(d for d in os.listdir(save_dir) if d.startswith("iter_"))
+    for old in tags[:-keep_last]:
+        shutil.rmtree(os.path.join(save_dir, old), ignore_errors=True)
+
+
+def latest_tag(load_dir: str) -> str | None:
+    path = os.path.join(load_dir, LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read().strip() or None
+
+
+def load_checkpoint(engine, load_dir: str, *, weights_only: bool, load_optimizer: bool):
+    """Restore the newest checkpoint; returns its client state (None when there is none).
+
+    ``weights_only`` (--finetune) loads the model and nothing else: the caller starts at
+    iteration 0 with fresh data position and optimizer.
+    """
+    tag = latest_tag(load_dir)
+    if tag is None:
+        log_rank0("no checkpoint in %s: starting from scratch", load_dir)
+        return None
+    path, client_state = engine.load_checkpoint(
+        load_dir,
+        tag=tag,
+        load_module_only=weights_only,
+        load_optimizer_states=load_optimizer and not weights_only,
+        load_lr_scheduler_states=False,
+    )
+    if path is None:
+        raise FileNotFoundError(f"--load {load_dir}: checkpoint {tag} could not be read")
+    if weights_only:
+        log_rank0("loaded weights from %s (--finetune)", path)
+        return None
+    rng_file = os.path.join(load_dir, tag, f"rng_rank{dist.get_rank()}.pt")
+    if os.path.isfile(rng_file):
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    log_rank0("resumed from %s at iteration %d", path, client_state["iteration"])
+    return client_state

@@ -1,0 +1,185 @@
+"""Process groups, the models, the optimizer and the DeepSpeed engine for a run.
+
+The language model and TempNet sit in one module that DeepSpeed wraps (so ZeRO shards both and
+checkpoints hold both). The optimizer is AdamW with separate parameter groups: the LM's weights
+(with weight decay), the LM's biases and norms (without), and TempNet's (its own learning rate and
+weight decay, --tempnet-lr/--tempnet-weight-decay). With --freeze-lm the LM is not in the
+optimizer at all.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_tempnet.distributed import apply_cpu_support
+from megatron_tempnet.distributed.mpu import MegatronMPU
+from megatron_tempnet.models.gpt import build_gpt_model
+from megatron_tempnet.tempnet import TempNetLM
+from megatron_tempnet.training.config import ConfigError, OptimizerConfig, RunConfig
+
+
+class TrainModule(torch.nn.Module):
+    """The LM and (when tau comes from it) TempNet, as one module for the engine."""
+
+    def __init__(self, lm: torch.nn.Module, tempnet: TempNetLM | None):
+        super().__init__()
+        self.lm = lm
+        self.tempnet = tempnet
+
+
+def init_process_groups(config: RunConfig) -> None:
+    """torch.distributed (gloo on CPU, NCCL on GPU) and megatron-core's TP/PP/DP groups."""
+    import deepspeed
+    from megatron.core import parallel_state
+
+    apply_cpu_support()
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    p = config.parallel
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+    )
+
+
+def build_module(config: RunConfig) -> TrainModule:
+    """The LM (and TempNet) with the same initial weights whatever the parallel layout."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    t, tp = config.training, config.parallel.tensor_model_parallel_size
+    torch.manual_seed(t.seed)
+    model_parallel_cuda_manual_seed(t.seed)
+    dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
+    lm = build_gpt_model(
+        config.model,
+        tensor_parallel_size=tp,
+        params_dtype=dtype,
+        recompute_activations=t.recompute_activations,
+    )
+    tempnet = None
+    if config.loss.uses_tempnet:
+        torch.manual_seed(t.seed + 1)  # TempNet's init does not depend on the LM's size
+        tempnet = TempNetLM(
+            config.model.vocab_size,
+            hidden_size=t.tempnet_hidden_size,
+            proj_size=t.tempnet_proj_size,
+            tau_min=config.loss.tau_min,
+            tau_max=config.loss.tau_max,
+            padded_vocab_size=config.model.padded_vocab_size(tp),
+            stop_grad=config.loss.stop_grad,
+        ).to(dtype)
+    if t.freeze_lm:
+        lm.requires_grad_(False)
+    if torch.cuda.is_available():
+        lm.cuda()
+        if tempnet is not None:
+            tempnet.cuda()
+    return TrainModule(lm, tempnet)
+
+
+def param_groups(module: TrainModule, opt: OptimizerConfig) -> list[dict]:
+    """AdamW groups; ``max_lr``/``min_lr`` drive the schedule of each group."""
+    groups = []
+
+    def add(name, params, lr, weight_decay, min_lr):
+        params = [p for p in params if p.requires_grad]
+        if params:
+            groups.append(
+                {"name": name, "params": params, "lr": lr, "max_lr": lr, "min_lr": min_lr,
+                 "weight_decay": weight_decay}
+            )  # fmt: skip
+
+    lm_params = list(module.lm.parameters())
+    add("lm", [p for p in lm_params if p.ndim >= 2], opt.lr, opt.weight_decay, opt.min_lr)
+    add("lm_no_decay", [p for p in lm_params if p.ndim < 2], opt.lr, 0.0, opt.min_lr)
+    if module.tempnet is not None:
+        scale = opt.min_lr / opt.lr if opt.lr > 0 else 0.0
+        add("tempnet", module.tempnet.parameters(), opt.tempnet_lr, opt.tempnet_weight_decay,
+            opt.tempnet_lr * scale)  # fmt: skip
+    if not groups:
+        raise ConfigError("nothing to train: every parameter is frozen")
+    return groups
+
+
+def deepspeed_config(config: RunConfig, world_size: int) -> dict:
+    """The DeepSpeed JSON for this run; a --deepspeed-config file is the base, flags win."""
+    base: dict = {}
+    if config.parallel.deepspeed_config:
+        try:
+            with open(config.parallel.deepspeed_config) as f:
+                base = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(
+                f"--deepspeed-config {config.parallel.deepspeed_config!r}: {e}"
+            ) from None
+    t = config.training
+    zero = dict(base.get("zero_optimization", {}), stage=config.parallel.zero_stage)
+    base.update(
+        train_micro_batch_size_per_gpu=t.micro_batch_size,
+        gradient_accumulation_steps=config.gradient_accumulation_steps(world_size),
+        train_batch_size=t.global_batch_size,
+        zero_optimization=zero,
+        # without ZeRO the training step clips (and measures the norm) itself
+        gradient_clipping=config.optimizer.clip_grad if config.parallel.zero_stage else 0.0,
+        zero_allow_untested_optimizer=True,  # our AdamW, with its parameter groups
+        steps_per_print=base.get("steps_per_print", 10**9),  # we log ourselves
+    )
+    if t.bf16:
+        base["bf16"] = {"enabled": True}
+    if t.fp16:
+        base["fp16"] = dict(base.get("fp16", {}), enabled=True)
+    return base
+
+
+def build_engine(module: TrainModule, config: RunConfig, world_size: int):
+    """``deepspeed.initialize`` over megatron-core's groups; returns (engine, optimizer)."""
+    import deepspeed
+
+    opt = config.optimizer
+    optimizer = torch.optim.AdamW(
+        param_groups(module, opt), betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps
+    )
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=module,
+        optimizer=optimizer,
+        config=deepspeed_config(config, world_size),
+        mpu=MegatronMPU(),
+    )
+    if config.parallel.zero_stage == 3 and not config.model.untie_embeddings_and_output_weights:
+        # the output layer multiplies by the embedding's (ZeRO-3-partitioned) weight outside
+        # the embedding's own forward: tell ZeRO-3 to gather it for the output layer too
+        lm = module.lm
+        deepspeed.zero.register_external_parameter(
+            lm.output_layer, lm.shared_embedding_or_output_weight()
+        )
+    return engine, optimizer
+
+
+def learning_rate(iteration: int, max_lr: float, min_lr: float, opt: OptimizerConfig) -> float:
+    """Linear warmup then cosine decay to ``min_lr`` over ``lr_decay_iters`` (then flat)."""
+    decay = opt.lr_decay_iters
+    warmup = (
+        round(opt.lr_warmup_fraction * decay)
+        if opt.lr_warmup_fraction is not None
+        else opt.lr_warmup_iters
+    )
+    if warmup and iteration < warmup:
+        return max_lr * (iteration + 1) / warmup
+    if iteration >= decay:
+        return min_lr
+    progress = (iteration - warmup) / max(decay - warmup, 1)
+    return min_lr + 0.5 * (max_lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def set_learning_rates(optimizer, iteration: int, opt: OptimizerConfig) -> float:
+    """Set every group's lr for ``iteration`` (0-based); returns the LM's (or TempNet's)."""
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(iteration, group["max_lr"], group["min_lr"], opt)
+    return optimizer.param_groups[0]["lr"]

@@ -1,0 +1,134 @@
+"""The pretraining run, top to bottom: set up, resume, iterate, evaluate, log, save."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch.distributed as dist
+
+from megatron_tempnet.data.gpt_data import (
+    DataState,
+    ResumableLoader,
+    build_gpt_datasets,
+    dataset_fingerprint,
+    num_samples,
+)
+from megatron_tempnet.data.tokenizers import build_tokenizer
+from megatron_tempnet.training.checkpoint import load_checkpoint, save_checkpoint
+from megatron_tempnet.training.config import RunConfig, validate
+from megatron_tempnet.training.engine import (
+    build_engine,
+    build_module,
+    init_process_groups,
+    set_learning_rates,
+)
+from megatron_tempnet.training.metrics import RunLogger, memory_mb
+from megatron_tempnet.training.step import check_finite, evaluate, train_step
+from megatron_tempnet.utils.logging import log_rank0
+
+
+def pretrain(config: RunConfig) -> dict:
+    """Train as configured; returns the last logged metrics."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    tokenizer = build_tokenizer(**config.tokenizer)
+    if config.model.vocab_size is None:
+        config.model.vocab_size = tokenizer.vocab_size
+    validate(config, world_size)  # every flag checked before anything is built
+
+    init_process_groups(config)
+    from megatron.core import parallel_state
+
+    dp_group = parallel_state.get_data_parallel_group()
+    dp_rank, dp = (
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_world_size(),
+    )
+    t = config.training
+    sizes = num_samples(t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters)
+    train_ds, valid_ds, _ = build_gpt_datasets(config.data, tokenizer, sizes)
+
+    module = build_module(config)
+    engine, optimizer = build_engine(module, config, world_size)
+    start, data_state = 0, DataState(0, dataset_fingerprint(train_ds))
+    ckpt = config.checkpoint
+    if ckpt.load:
+        client = load_checkpoint(engine, ckpt.load, weights_only=ckpt.finetune,
+                                 load_optimizer=not ckpt.no_load_optim)  # fmt: skip
+        if client is not None:
+            start = int(client["iteration"])
+            data_state = DataState.from_state_dict(client["data"], train_ds)
+    _save_config(config)
+    loader = ResumableLoader(train_ds, data_state, t.micro_batch_size, dp_rank, dp)
+    gas = config.gradient_accumulation_steps(world_size)
+    run_log = RunLogger(config.logging)
+    # DeepSpeed's ZeRO optimizers clip and report the norm; without ZeRO we do both
+    own_clip = config.optimizer.clip_grad if config.parallel.zero_stage == 0 else None
+    last: dict = {}
+    tic, tokens_since = time.perf_counter(), 0.0
+    for iteration in range(start + 1, t.train_iters + 1):
+        lr = set_learning_rates(optimizer, iteration - 1, config.optimizer)
+        batches = [next(loader) for _ in range(gas)]
+        stats, grad_norm = train_step(
+            engine, module, batches, config.loss, vocab_size=config.model.vocab_size,
+            freeze_lm=t.freeze_lm, dp_group=dp_group, clip_grad=own_clip,
+        )  # fmt: skip
+        check_finite(stats, grad_norm, iteration)
+        tokens_since += stats.tokens
+        if iteration % config.logging.log_interval == 0 or iteration == t.train_iters:
+            elapsed = time.perf_counter() - tic
+            last = {
+                **stats.metrics(),
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_sec": tokens_since / max(elapsed, 1e-9),
+                "memory_mb": memory_mb(),
+                "consumed_samples": loader.state().consumed_samples,
+            }
+            run_log.log(iteration, last, stats.tau_sample)
+            tic, tokens_since = time.perf_counter(), 0.0
+        if valid_ds is not None and t.eval_interval and iteration % t.eval_interval == 0:
+            run_log.log(iteration, _validate(module, valid_ds, config, world_size, dp_group))
+        if ckpt.save and _should_save(iteration, config):
+            save_checkpoint(engine, ckpt.save, iteration, _client_state(config, loader),
+                            ckpt.keep_last)  # fmt: skip
+        if ckpt.exit_interval and iteration == ckpt.exit_interval:
+            log_rank0("--exit-interval %d reached: exiting", iteration)
+            break
+    run_log.close()
+    dist.barrier()
+    return last
+
+
+def _should_save(iteration: int, config: RunConfig) -> bool:
+    ckpt, end = config.checkpoint, config.training.train_iters
+    periodic = ckpt.save_interval and iteration % ckpt.save_interval == 0
+    return bool(periodic or iteration == end or iteration == ckpt.exit_interval)
+
+
+def _client_state(config: RunConfig, loader: ResumableLoader) -> dict:
+    return {"data": loader.state().state_dict(), "config": json.loads(config.to_json())}
+
+
+def _validate(module, valid_ds, config: RunConfig, world_size: int, dp_group) -> dict:
+    """The first --eval-iters global batches of the validation split, every time."""
+    from megatron.core import parallel_state
+
+    t = config.training
+    state = DataState(0, dataset_fingerprint(valid_ds))
+    loader = ResumableLoader(valid_ds, state, t.micro_batch_size,
+                             parallel_state.get_data_parallel_rank(),
+                             parallel_state.get_data_parallel_world_size())  # fmt: skip
+    gas = config.gradient_accumulation_steps(world_size)
+    batches = [next(loader) for _ in range(t.eval_iters * gas)]
+    return evaluate(module, batches, config.loss, vocab_size=config.model.vocab_size,
+                    dp_group=dp_group)  # fmt: skip
+
+
+def _save_config(config: RunConfig) -> None:
+    """The resolved config beside the checkpoints (and inside each of them)."""
+    if config.checkpoint.save and dist.get_rank() == 0:
+        os.makedirs(config.checkpoint.save, exist_ok=True)
+        with open(os.path.join(config.checkpoint.save, "config.json"), "w") as f:
+            f.write(config.to_json())

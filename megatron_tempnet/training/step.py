@@ -1,0 +1,163 @@
+"""One training iteration and one validation pass.
+
+The loss of an iteration is the mean over the unmasked tokens of the whole global batch: the
+token count is summed over micro-batches and data-parallel ranks first (one small all-reduce),
+and every micro-batch's masked loss sum is divided by it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_tempnet.training.loss import LossConfig, masked_mean, token_losses
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (a NaN/inf loss or gradient): names the iteration and rank."""
+
+
+@dataclass
+class StepStats:
+    """Token-weighted sums over the global batch (identical on every rank after the reduce)."""
+
+    tokens: float
+    loss_sum: float
+    ce_sum: float
+    tau_sum: float
+    tau_sq_sum: float
+    tau_min: float
+    tau_max: float
+    tau_sample: torch.Tensor  # this rank's unmasked taus of the last micro-batch (histograms)
+
+    def metrics(self) -> dict:
+        mean = self.tau_sum / self.tokens
+        return {
+            "loss": self.loss_sum / self.tokens,
+            "ce_loss": self.ce_sum / self.tokens,
+            "tau_mean": mean,
+            "tau_std": math.sqrt(max(self.tau_sq_sum / self.tokens - mean * mean, 0.0)),
+            "tau_min": self.tau_min,
+            "tau_max": self.tau_max,
+            "tokens": self.tokens,
+        }
+
+
+def _unpack(batch: dict) -> tuple[torch.Tensor, ...]:
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return tuple(batch[k].to(device) for k in ("tokens", "labels", "loss_mask", "position_ids"))
+
+
+class _Accumulator:
+    def __init__(self):
+        self.sums = torch.zeros(5, dtype=torch.float64)  # tokens, loss, ce, tau, tau^2
+        self.extremes = torch.tensor([math.inf, math.inf], dtype=torch.float64)  # min, -max
+        self.sample = torch.zeros(0)
+
+    def add(self, out, mask: torch.Tensor) -> None:
+        keep = mask.bool()
+        tau = out.tau.double()[keep]
+        self.sums += torch.stack([
+            keep.sum().double(), out.loss.detach().double()[keep].sum(),
+            out.ce.double()[keep].sum(), tau.sum(), (tau * tau).sum(),
+        ]).cpu()  # fmt: skip
+        if tau.numel():
+            self.extremes = torch.minimum(self.extremes, torch.stack([tau.min(), -tau.max()]).cpu())
+        self.sample = tau.float().cpu()
+
+    def reduce(self, group) -> StepStats:
+        dist.all_reduce(self.sums, group=group)
+        dist.all_reduce(self.extremes, op=dist.ReduceOp.MIN, group=group)
+        tokens, loss, ce, tau, tau_sq = self.sums.tolist()
+        lo, neg_hi = self.extremes.tolist()
+        return StepStats(max(tokens, 1.0), loss, ce, tau, tau_sq, lo, -neg_hi, self.sample)
+
+
+def train_step(
+    engine, module, batches: list[dict], loss_config: LossConfig, *, vocab_size: int,
+    freeze_lm: bool, dp_group, clip_grad: float | None,
+) -> tuple[StepStats, float | None]:  # fmt: skip
+    """Forward/backward over the iteration's micro-batches and one optimizer step.
+
+    ``clip_grad``: clip here (ZeRO 0, where DeepSpeed reports no norm; 0 = measure only), or
+    None to leave clipping to DeepSpeed's ZeRO optimizer. Returns the stats and the global
+    gradient norm (before clipping).
+    """
+    dp = dist.get_world_size(group=dp_group)
+    unpacked = [_unpack(b) for b in batches]
+    num_tokens = torch.tensor([sum(float(u[2].sum()) for u in unpacked)], dtype=torch.float64)
+    dist.all_reduce(num_tokens, group=dp_group)  # unmasked tokens in the global batch
+    num_tokens = max(float(num_tokens), 1.0)
+    acc, grad_norm = _Accumulator(), None
+    for tokens, labels, mask, position_ids in unpacked:
+        with torch.no_grad() if freeze_lm else contextlib.nullcontext():
+            logits = module.lm(tokens, position_ids, None)  # [b, s, V_pad/tp]
+        out = token_losses(logits, labels, loss_config, vocab_size=vocab_size,
+                           tempnet=module.tempnet)  # fmt: skip
+        loss = masked_mean(out.loss, mask, num_tokens)
+        # `loss` is already this micro-batch's share of the global mean, but DeepSpeed averages
+        # gradients over data-parallel ranks: scale by dp, and no further division by the
+        # accumulation steps
+        engine.backward(loss * dp, scale_wrt_gas=False)
+        if clip_grad is not None and engine.is_gradient_accumulation_boundary():
+            grad_norm = _clip(module, clip_grad)  # gradients are reduced over DP by now
+        engine.step()
+        acc.add(out, mask)
+    if clip_grad is None:
+        grad_norm = engine.get_global_grad_norm()
+    return acc.reduce(dp_group), None if grad_norm is None else float(grad_norm)
+
+
+def _clip(module, clip_grad: float) -> float:
+    """Global gradient norm over TP x PP (sharded parameters counted once), clipped in place."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    from megatron_tempnet.distributed.mpu import MegatronMPU
+
+    max_norm = clip_grad if clip_grad > 0 else math.inf
+    return float(clip_grad_norm_(module.parameters(), max_norm, mpu=MegatronMPU()))
+
+
+def check_finite(stats: StepStats, grad_norm: float | None, iteration: int) -> None:
+    rank = dist.get_rank()
+    loss = stats.loss_sum / stats.tokens
+    if not math.isfinite(loss):
+        raise TrainingError(f"iteration {iteration}: the loss is {loss} (rank {rank}); stopping")
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        raise TrainingError(
+            f"iteration {iteration}: the gradient norm is {grad_norm} (rank {rank}); stopping"
+        )
+
+
+@torch.no_grad()
+def evaluate(module, batches, loss_config: LossConfig, *, vocab_size: int, dp_group) -> dict:
+    """Validation CE perplexity and the paper's T-LLM perplexity (probabilities of L / tau)."""
+    from megatron_tempnet.losses import temperature_scaled_cross_entropy
+
+    module.eval()
+    sums = torch.zeros(4, dtype=torch.float64)  # tokens, ce, ts-ce, tau
+    for batch in batches:
+        tokens, labels, mask, position_ids = _unpack(batch)
+        logits = module.lm(tokens, position_ids, None)
+        out = token_losses(logits, labels, loss_config, vocab_size=vocab_size,
+                           tempnet=module.tempnet)  # fmt: skip
+        ts_ce = temperature_scaled_cross_entropy(logits, labels, out.tau, vocab_size=vocab_size)
+        keep = mask.bool()
+        sums += torch.stack([
+            keep.sum().double(), out.ce.double()[keep].sum(), ts_ce.double()[keep].sum(),
+            out.tau.double()[keep].sum(),
+        ]).cpu()  # fmt: skip
+    module.train()
+    dist.all_reduce(sums, group=dp_group)
+    tokens, ce, ts_ce, tau = sums.tolist()
+    tokens = max(tokens, 1.0)
+    return {
+        "val_ce_loss": ce / tokens,
+        "val_ppl": math.exp(min(ce / tokens, 700.0)),
+        "val_tllm_ppl": math.exp(min(ts_ce / tokens, 700.0)),
+        "val_tau_mean": tau / tokens,
+    }

@@ -1,0 +1,201 @@
+"""pretrain_gpt.py end to end under torchrun: parallel layouts, exact resume, --freeze-lm,
+every --loss / --tau-source pair, and flag errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers.corpus import blend_corpus
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    # 512 ids: the padded vocabulary (multiple of 128 x TP) is 512 at TP = 1, 2 and 4
+    return blend_corpus(str(tmp_path_factory.mktemp("corpus")), vocab_size=512)
+
+
+def _args(corpus, tmp, **flags) -> list[str]:
+    spec = corpus["spec"]
+    base = {
+        "data-path": corpus["prefix"]["A"], "split": "90,8,2", "seq-length": 32,
+        "tokenizer-type": "GPT2BPETokenizer", "vocab-file": spec["vocab_file"],
+        "merge-file": spec["merge_file"], "train-iters": 10, "micro-batch-size": 2,
+        "global-batch-size": 8, "log-interval": 1, "eval-interval": 5, "eval-iters": 1,
+        "tempnet-hidden-size": 32, "tempnet-proj-size": 32, "tempnet-rho": 4, "lr": 1e-3,
+        "data-cache-path": str(tmp / "cache"), "seed": 5,
+    }  # fmt: skip
+    base.update(flags)
+    out = []
+    for key, value in base.items():
+        if value is True:
+            out.append(f"--{key}")
+        elif value is not None and value is not False:
+            out += [f"--{key}", str(value)]
+    return out
+
+
+def _pretrain(nproc: int, args: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    """torchrun with ``nproc`` ranks; ``nproc=0``: plain python (what a user sees directly)."""
+    launcher = [] if nproc == 0 else ["-m", "torch.distributed.run", "--standalone",
+                                      f"--nproc-per-node={nproc}"]  # fmt: skip
+    cmd = [sys.executable, *launcher, os.path.join(REPO, "pretrain_gpt.py"), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if check:
+        assert r.returncode == 0, r.stderr[-4000:]
+    return r
+
+
+def _curve(path) -> list[dict]:
+    with open(path) as f:
+        return [row for row in map(json.loads, f) if "loss" in row]
+
+
+LAYOUTS = {  # name: (processes, flags)
+    "tp2": (2, {"tensor-model-parallel-size": 2}),
+    "tp4": (4, {"tensor-model-parallel-size": 4}),
+    "dp2-zero0": (2, {"zero-stage": 0}),
+    "dp2-zero1": (2, {"zero-stage": 1}),
+    "dp2-zero2": (2, {"zero-stage": 2}),
+    "tp2-dp2-zero1": (4, {"tensor-model-parallel-size": 2, "zero-stage": 1}),
+    "tp2-dp2-zero2": (4, {"tensor-model-parallel-size": 2, "zero-stage": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def reference_curve(corpus, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp1")
+    _pretrain(1, _args(corpus, tmp, **{"metrics-file": tmp / "m.jsonl"}))
+    return _curve(tmp / "m.jsonl")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parallel_layouts_give_the_same_loss_curve(corpus, reference_curve, tmp_path, layout):
+    nproc, flags = LAYOUTS[layout]
+    _pretrain(nproc, _args(corpus, tmp_path, **flags, **{"metrics-file": tmp_path / "m.jsonl"}))
+    curve = _curve(tmp_path / "m.jsonl")
+    assert [r["iteration"] for r in curve] == list(range(1, 11))
+    assert reference_curve[-1]["loss"] < reference_curve[0]["loss"]  # it learns
+    for got, ref in zip(curve, reference_curve):
+        for key in ("loss", "ce_loss", "tau_mean", "grad_norm"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-5), (layout, got["iteration"], key)
+        assert got["consumed_samples"] == ref["consumed_samples"]
+
+
+def _tempnet_state(save_dir) -> dict:
+    with open(os.path.join(save_dir, "latest")) as f:
+        tag = f.read().strip()
+    state = torch.load(os.path.join(save_dir, tag, "mp_rank_00_model_states.pt"),
+                       map_location="cpu", weights_only=False)  # fmt: skip
+    return {k: v for k, v in state["module"].items() if k.startswith("tempnet.")}
+
+
+def test_resume_is_exact_and_survives_a_crashed_save(corpus, tmp_path):
+    common = {"tensor-model-parallel-size": 2, "zero-stage": 1, "train-iters": 20,
+              "eval-interval": 0}  # fmt: skip
+    straight = tmp_path / "straight"
+    _pretrain(4, _args(corpus, tmp_path, **common, save=straight,
+                       **{"metrics-file": straight / "m.jsonl"}))  # fmt: skip
+    split = tmp_path / "split"
+    first = {**common, "save": split, "exit-interval": 10, "metrics-file": split / "m.jsonl"}
+    _pretrain(4, _args(corpus, tmp_path, **first))
+    assert open(split / "latest").read() == "iter_0000010"
+    # a save that died half way: a directory for iteration 15, but `latest` still says 10
+    os.makedirs(split / "iter_0000015")
+    (split / "iter_0000015" / "mp_rank_00_model_states.pt").write_bytes(b"truncated")
+    second = {**common, "save": split, "load": split, "metrics-file": split / "m.jsonl"}
+    _pretrain(4, _args(corpus, tmp_path, **second))
+    resumed, reference = _curve(split / "m.jsonl"), _curve(straight / "m.jsonl")
+    assert [r["iteration"] for r in resumed] == list(range(1, 21))
+    for got, ref in zip(resumed, reference):
+        assert got["loss"] == ref["loss"] and got["tau_mean"] == ref["tau_mean"], got["iteration"]
+    a, b = _tempnet_state(split), _tempnet_state(straight)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_freeze_lm_trains_tempnet_only(corpus, tmp_path):
+    flags = {"freeze-lm": True, "save": tmp_path / "ckpt", "train-iters": 6, "eval-interval": 0,
+             "metrics-file": tmp_path / "m.jsonl", "zero-stage": 1}  # fmt: skip
+    _pretrain(2, _args(corpus, tmp_path, **flags))
+    initial = tmp_path / "initial"
+    _pretrain(2, _args(corpus, tmp_path, **{**flags, "train-iters": 1, "lr": 0.0,
+                                            "save": initial, "metrics-file": None}))  # fmt: skip
+    load = lambda d: torch.load(  # noqa: E731
+        os.path.join(d, open(os.path.join(d, "latest")).read(), "mp_rank_00_model_states.pt"),
+        map_location="cpu",
+        weights_only=False,
+    )
+    trained, start = load(tmp_path / "ckpt"), load(initial)
+    tensors = {k for k, v in trained["module"].items() if isinstance(v, torch.Tensor)}
+    lm_keys = [k for k in tensors if k.startswith("lm.")]
+    assert lm_keys and all(torch.equal(trained["module"][k], start["module"][k]) for k in lm_keys)
+    tempnet_keys = [k for k in tensors if k.startswith("tempnet.")]
+    assert any(not torch.equal(trained["module"][k], start["module"][k]) for k in tempnet_keys)
+    n_tempnet = sum(trained["module"][k].numel() for k in tempnet_keys)
+    optim_dir = os.path.join(tmp_path / "ckpt", "iter_0000006")
+    optim = torch.load(
+        os.path.join(optim_dir, "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+        map_location="cpu",
+        weights_only=False,
+    )["optimizer_state_dict"]
+    # ZeRO-1 over 2 ranks: this rank's flat partition holds half of TempNet's parameters, no LM
+    flat = optim["single_partition_of_fp32_groups"]
+    assert sum(t.numel() for t in flat) * 2 >= n_tempnet > sum(t.numel() for t in flat)
+    assert [g["name"] for g in optim["base_optimizer_state"]["param_groups"]] == ["tempnet"]
+
+
+COMBINATIONS = [
+    ("dro", "tempnet", {}),
+    ("dro", "fixed", {"fixed-tau": 0.8}),
+    ("dro", "newton", {}),
+    ("ts-ce", "tempnet", {}),
+    ("ts-ce", "fixed", {}),
+    ("ts-ce", "newton", {}),
+    ("ce", "fixed", {}),
+    ("ce", "newton", {}),
+    ("dro", "tempnet", {"no-tempnet-stop-grad": True}),
+]
+
+
+@pytest.mark.parametrize("loss,source,extra", COMBINATIONS)
+def test_every_loss_and_tau_source_trains(corpus, tmp_path, loss, source, extra):
+    flags = {"loss": loss, "tau-source": source, "train-iters": 3, "eval-interval": 3,
+             "metrics-file": tmp_path / "m.jsonl", **extra}  # fmt: skip
+    _pretrain(1, _args(corpus, tmp_path, **flags))
+    rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    train = [r for r in rows if "loss" in r]
+    assert len(train) == 3 and all(math.isfinite(r["loss"]) for r in train)
+    if source == "fixed":
+        assert train[0]["tau_mean"] == pytest.approx(float(extra.get("fixed-tau", 1.0)))
+    if source == "newton":
+        assert train[0]["tau_min"] >= 0.001 and train[0]["tau_std"] > 0
+    val = [r for r in rows if "val_ppl" in r]
+    assert len(val) == 1 and val[0]["val_ppl"] == pytest.approx(math.exp(val[0]["val_ce_loss"]))
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        ({"zero-stage": 2, "pipeline-model-parallel-size": 2},
+         "--zero-stage 2 cannot shard gradients across pipeline stages"),
+        ({"num-attention-heads": 3}, "--hidden-size (64) must be divisible by"),
+        ({"global-batch-size": 7}, "--global-batch-size (7) must be a multiple"),
+        ({"tempnet-tau-min": 0.5, "tempnet-tau-max": 0.3}, "--tempnet-tau-min (0.5)"),
+        ({"freeze-lm": True, "tau-source": "fixed"}, "--freeze-lm trains TempNet only"),
+        ({"loss": "ce"}, "--loss ce does not use tau"),
+    ],
+)  # fmt: skip
+def test_invalid_flags_fail_before_building_anything(corpus, tmp_path, flags, message):
+    r = _pretrain(0, _args(corpus, tmp_path, **flags), check=False)
+    assert r.returncode != 0
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "cache").exists()  # failed before the data was even indexed
