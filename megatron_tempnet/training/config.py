@@ -150,11 +150,6 @@ def validate(config: RunConfig, world_size: int) -> None:
             f"--zero-stage {p.zero_stage} cannot shard gradients across pipeline stages "
             f"(--pipeline-model-parallel-size {pp}): use --zero-stage 0 or 1 with PP > 1"
         )
-    if p.zero_stage == 3:
-        raise ConfigError(
-            "--zero-stage 3 is not available yet in pretrain_gpt.py (its gradients do not yet "
-            "match ZeRO 0-2); use --zero-stage 0, 1 or 2"
-        )
     if pp > 1:
         raise ConfigError(
             "--pipeline-model-parallel-size > 1 is not available yet in pretrain_gpt.py"

@@ -9,6 +9,7 @@ optimizer at all.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -21,15 +22,29 @@ from megatron_tempnet.distributed.mpu import MegatronMPU
 from megatron_tempnet.models.gpt import build_gpt_model
 from megatron_tempnet.tempnet import TempNetLM
 from megatron_tempnet.training.config import ConfigError, OptimizerConfig, RunConfig
+from megatron_tempnet.training.loss import LossConfig, TokenLosses, token_losses
 
 
 class TrainModule(torch.nn.Module):
-    """The LM and (when tau comes from it) TempNet, as one module for the engine."""
+    """The LM and (when tau comes from it) TempNet, as one module for the engine.
 
-    def __init__(self, lm: torch.nn.Module, tempnet: TempNetLM | None):
+    Its forward is the whole objective, so that every pass goes through the DeepSpeed engine
+    (ZeRO's per-micro-batch bookkeeping happens in the engine's forward).
+    """
+
+    def __init__(self, lm: torch.nn.Module, tempnet: TempNetLM | None, loss: LossConfig,
+                 vocab_size: int, freeze_lm: bool):  # fmt: skip
         super().__init__()
         self.lm = lm
         self.tempnet = tempnet
+        self.loss_config, self.vocab_size, self.freeze_lm = loss, vocab_size, freeze_lm
+
+    def forward(self, tokens, position_ids, labels) -> TokenLosses:
+        """``[b, s]`` token ids, positions and labels -> per-token loss, CE and tau."""
+        with torch.no_grad() if self.freeze_lm else contextlib.nullcontext():
+            logits = self.lm(tokens, position_ids, None)  # [b, s, V_pad/tp]
+        return token_losses(logits, labels, self.loss_config, vocab_size=self.vocab_size,
+                            tempnet=self.tempnet)  # fmt: skip
 
 
 def init_process_groups(config: RunConfig) -> None:
@@ -81,7 +96,7 @@ def build_module(config: RunConfig) -> TrainModule:
         lm.cuda()
         if tempnet is not None:
             tempnet.cuda()
-    return TrainModule(lm, tempnet)
+    return TrainModule(lm, tempnet, config.loss, config.model.vocab_size, t.freeze_lm)
 
 
 def param_groups(module: TrainModule, opt: OptimizerConfig) -> list[dict]:

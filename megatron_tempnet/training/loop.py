@@ -70,10 +70,7 @@ def pretrain(config: RunConfig) -> dict:
     for iteration in range(start + 1, t.train_iters + 1):
         lr = set_learning_rates(optimizer, iteration - 1, config.optimizer)
         batches = [next(loader) for _ in range(gas)]
-        stats, grad_norm = train_step(
-            engine, module, batches, config.loss, vocab_size=config.model.vocab_size,
-            freeze_lm=t.freeze_lm, dp_group=dp_group, clip_grad=own_clip,
-        )  # fmt: skip
+        stats, grad_norm = train_step(engine, batches, dp_group=dp_group, clip_grad=own_clip)
         check_finite(stats, grad_norm, iteration)
         tokens_since += stats.tokens
         if iteration % config.logging.log_interval == 0 or iteration == t.train_iters:
@@ -89,7 +86,7 @@ def pretrain(config: RunConfig) -> dict:
             run_log.log(iteration, last, stats.tau_sample)
             tic, tokens_since = time.perf_counter(), 0.0
         if valid_ds is not None and t.eval_interval and iteration % t.eval_interval == 0:
-            run_log.log(iteration, _validate(module, valid_ds, config, world_size, dp_group))
+            run_log.log(iteration, _validate(engine, valid_ds, config, world_size, dp_group))
         if ckpt.save and _should_save(iteration, config):
             save_checkpoint(engine, ckpt.save, iteration, _client_state(config, loader),
                             ckpt.keep_last)  # fmt: skip
@@ -111,7 +108,7 @@ def _client_state(config: RunConfig, loader: ResumableLoader) -> dict:
     return {"data": loader.state().state_dict(), "config": json.loads(config.to_json())}
 
 
-def _validate(module, valid_ds, config: RunConfig, world_size: int, dp_group) -> dict:
+def _validate(engine, valid_ds, config: RunConfig, world_size: int, dp_group) -> dict:
     """The first --eval-iters global batches of the validation split, every time."""
     from megatron.core import parallel_state
 
@@ -122,8 +119,7 @@ def _validate(module, valid_ds, config: RunConfig, world_size: int, dp_group) ->
                              parallel_state.get_data_parallel_world_size())  # fmt: skip
     gas = config.gradient_accumulation_steps(world_size)
     batches = [next(loader) for _ in range(t.eval_iters * gas)]
-    return evaluate(module, batches, config.loss, vocab_size=config.model.vocab_size,
-                    dp_group=dp_group)  # fmt: skip
+    return evaluate(engine, batches, dp_group=dp_group)
 
 
 def _save_config(config: RunConfig) -> None:

@@ -88,6 +88,7 @@ class TokenLosses:
     loss: torch.Tensor
     ce: torch.Tensor
     tau: torch.Tensor
+    ts_ce: torch.Tensor | None = None  # cross-entropy of L / tau (T-LLM), in eval mode only
 
 
 def token_losses(
@@ -129,7 +130,14 @@ def token_losses(
     else:  # reported, not trained on: one more read of the logits, no graph
         with torch.no_grad():
             ce = temperature_scaled_cross_entropy(logits.detach(), labels, 1.0, **common)
-    return TokenLosses(loss=loss, ce=ce, tau=tau.detach())
+    ts_ce = None
+    if not torch.is_grad_enabled():  # evaluation: the T-LLM perplexity's per-token term
+        ts_ce = (
+            loss
+            if config.loss == "ts-ce"
+            else temperature_scaled_cross_entropy(logits, labels, tau, **common)
+        )
+    return TokenLosses(loss=loss, ce=ce, tau=tau.detach(), ts_ce=ts_ce)
 
 
 def masked_mean(values: torch.Tensor, loss_mask: torch.Tensor, num_tokens: torch.Tensor | float):

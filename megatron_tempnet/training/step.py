@@ -7,14 +7,13 @@ and every micro-batch's masked loss sum is divided by it.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megatron_tempnet.training.loss import LossConfig, masked_mean, token_losses
+from megatron_tempnet.training.loss import masked_mean
 
 
 class TrainingError(RuntimeError):
@@ -78,9 +77,8 @@ class _Accumulator:
 
 
 def train_step(
-    engine, module, batches: list[dict], loss_config: LossConfig, *, vocab_size: int,
-    freeze_lm: bool, dp_group, clip_grad: float | None,
-) -> tuple[StepStats, float | None]:  # fmt: skip
+    engine, batches: list[dict], *, dp_group, clip_grad: float | None
+) -> tuple[StepStats, float | None]:
     """Forward/backward over the iteration's micro-batches and one optimizer step.
 
     ``clip_grad``: clip here (ZeRO 0, where DeepSpeed reports no norm; 0 = measure only), or
@@ -94,17 +92,14 @@ def train_step(
     num_tokens = max(float(num_tokens), 1.0)
     acc, grad_norm = _Accumulator(), None
     for tokens, labels, mask, position_ids in unpacked:
-        with torch.no_grad() if freeze_lm else contextlib.nullcontext():
-            logits = module.lm(tokens, position_ids, None)  # [b, s, V_pad/tp]
-        out = token_losses(logits, labels, loss_config, vocab_size=vocab_size,
-                           tempnet=module.tempnet)  # fmt: skip
+        out = engine(tokens, position_ids, labels)  # TrainModule.forward: TokenLosses
         loss = masked_mean(out.loss, mask, num_tokens)
         # `loss` is already this micro-batch's share of the global mean, but DeepSpeed averages
         # gradients over data-parallel ranks: scale by dp, and no further division by the
         # accumulation steps
         engine.backward(loss * dp, scale_wrt_gas=False)
         if clip_grad is not None and engine.is_gradient_accumulation_boundary():
-            grad_norm = _clip(module, clip_grad)  # gradients are reduced over DP by now
+            grad_norm = _clip(engine.module, clip_grad)  # gradients are reduced over DP by now
         engine.step()
         acc.add(out, mask)
     if clip_grad is None:
@@ -134,24 +129,19 @@ def check_finite(stats: StepStats, grad_norm: float | None, iteration: int) -> N
 
 
 @torch.no_grad()
-def evaluate(module, batches, loss_config: LossConfig, *, vocab_size: int, dp_group) -> dict:
+def evaluate(engine, batches, *, dp_group) -> dict:
     """Validation CE perplexity and the paper's T-LLM perplexity (probabilities of L / tau)."""
-    from megatron_tempnet.losses import temperature_scaled_cross_entropy
-
-    module.eval()
+    engine.eval()
     sums = torch.zeros(4, dtype=torch.float64)  # tokens, ce, ts-ce, tau
     for batch in batches:
         tokens, labels, mask, position_ids = _unpack(batch)
-        logits = module.lm(tokens, position_ids, None)
-        out = token_losses(logits, labels, loss_config, vocab_size=vocab_size,
-                           tempnet=module.tempnet)  # fmt: skip
-        ts_ce = temperature_scaled_cross_entropy(logits, labels, out.tau, vocab_size=vocab_size)
+        out = engine(tokens, position_ids, labels)
         keep = mask.bool()
         sums += torch.stack([
-            keep.sum().double(), out.ce.double()[keep].sum(), ts_ce.double()[keep].sum(),
+            keep.sum().double(), out.ce.double()[keep].sum(), out.ts_ce.double()[keep].sum(),
             out.tau.double()[keep].sum(),
         ]).cpu()  # fmt: skip
-    module.train()
+    engine.train()
     dist.all_reduce(sums, group=dp_group)
     tokens, ce, ts_ce, tau = sums.tolist()
     tokens = max(tokens, 1.0)

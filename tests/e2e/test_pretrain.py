@@ -68,6 +68,8 @@ LAYOUTS = {  # name: (processes, flags)
     "dp2-zero2": (2, {"zero-stage": 2}),
     "tp2-dp2-zero1": (4, {"tensor-model-parallel-size": 2, "zero-stage": 1}),
     "tp2-dp2-zero2": (4, {"tensor-model-parallel-size": 2, "zero-stage": 2}),
+    "dp2-zero3": (2, {"zero-stage": 3}),
+    "tp2-dp2-zero3": (4, {"tensor-model-parallel-size": 2, "zero-stage": 3}),
 }
 
 

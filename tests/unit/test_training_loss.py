@@ -77,3 +77,19 @@ def test_configuration_errors_name_the_flags():
     ]:
         with pytest.raises(LossConfigError, match=message):
             LossConfig(**kw).validate()
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_evaluation_reports_the_t_llm_term(loss):
+    """Under no_grad (evaluation) the cross-entropy of L / tau comes with the losses."""
+    torch.manual_seed(1)
+    source = "fixed" if loss == "ce" else "tempnet"
+    cfg = LossConfig(loss=loss, tau_source=source, fixed_tau=0.6, rho=2.0, tau_min=0.05)
+    logits = torch.randn(2, 5, PAD) * 2
+    labels = torch.randint(0, V, (2, 5))
+    net = TempNetLM(V, hidden_size=8, proj_size=8, padded_vocab_size=PAD, tau_min=0.05).eval()
+    with torch.no_grad():
+        out = token_losses(logits, labels, cfg, vocab_size=V, tempnet=net)
+    tau = net(logits) if source == "tempnet" else torch.full((2, 5), 0.6)
+    torch.testing.assert_close(out.ts_ce.double(), _ce(logits, labels, tau), rtol=1e-5, atol=1e-6)
+    assert token_losses(logits, labels, cfg, vocab_size=V, tempnet=net).ts_ce is None
