@@ -1,5 +1,6 @@
 # make test        create/refresh .venv, install everything, run the test suite
-# make quickstart  create/refresh .venv, train a tiny GPT + TempNet at TP=2 on CPU
+# make quickstart  create/refresh .venv; corpus, tokenizer, preprocessing, then a tiny GPT +
+#                  TempNet trained at TP=2 on CPU (examples/quickstart.py)
 # make install     only create/refresh .venv
 # make lint     ruff check + format check
 # make bench    loss benchmark (prints a table)
@@ -15,7 +16,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 quickstart: $(STAMP)
-	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/quickstart.py $(ARGS)
+	$(BIN)/python examples/quickstart.py $(ARGS)
 
 install: $(STAMP)
 

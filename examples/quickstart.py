@@ -1,189 +1,115 @@
-"""CPU quickstart: a tiny megatron-core GPT trained jointly with TempNet under the KL-DRO loss.
+"""CPU quickstart: the whole pipeline on a small real-text corpus, in a few minutes.
 
-    torchrun --nproc-per-node 2 examples/quickstart.py     # tensor parallel over 2 gloo ranks
-    python examples/quickstart.py                          # one process
+    python examples/quickstart.py                  # what `make quickstart` runs
+    python examples/quickstart.py --train-iters 50 --out /tmp/qs
 
-Text: Python's own documentation topics (``pydoc_data``), as bytes (vocabulary 256). Every TP
-rank holds half of the output layer's vocabulary and half of TempNet's first layer; the loss and
-TempNet never gather the full logits. Prints the DRO loss, cross-entropy and tau statistics.
+1. writes a corpus of Python's own documentation topics (``pydoc_data``) as ``corpus.jsonl``;
+2. trains a SentencePiece tokenizer on it (BPE, 1024 ids, byte fallback);
+3. runs ``tools/preprocess_data.py`` (2 workers) -> ``corpus_text_document.bin/.idx``;
+4. trains the ``tiny`` GPT jointly with TempNet under the KL-DRO loss with ``pretrain_gpt.py``,
+   tensor parallel over 2 CPU processes (torchrun, gloo), with validation, TensorBoard logs, a
+   metrics file and a checkpoint;
+5. prints where everything is, the final losses and the range of TempNet's temperatures.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
-import warnings
-from pydoc_data.topics import topics
+import subprocess
+import sys
+import time
 
-# NVIDIA apex and Transformer Engine are optional GPU accelerators: their absence is expected.
-warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed")
-warnings.filterwarnings("ignore", message="When using async grad allreduce")  # CUDA-only advice
-
-import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron.core.transformer.transformer_config import TransformerConfig
-
-from megatron_tempnet.distributed import apply_cpu_support
-from megatron_tempnet.losses import temperature_scaled_cross_entropy, vocab_parallel_dro_loss
-from megatron_tempnet.tempnet import TempNetLM
-from megatron_tempnet.utils.logging import get_logger, log_rank0
-
-VOCAB = 256  # bytes
-logger = get_logger("quickstart")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=60, help="training iterations")
-    p.add_argument("--seq-length", type=int, default=64)
-    p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3, help="LM learning rate (AdamW)")
-    p.add_argument("--tempnet-lr", type=float, default=1e-3, help="TempNet learning rate")
-    p.add_argument(
-        "--rho",
-        type=float,
-        default=4.0,
-        help="DRO constant; keep it below log|C| = 5.55 for bytes, or every tau is "
-        "pushed to tau-min (the paper's 10 is for 32k-50k vocabularies)",
-    )
-    p.add_argument("--tau-min", type=float, default=0.001)
-    p.add_argument("--tau-max", type=float, default=2.0)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--log-interval", type=int, default=10)
-    p.add_argument("--metrics-file", help="append one JSON line per logged step")
-    args = p.parse_args(argv)
-    if not 0 < args.tau_min < args.tau_max:
-        p.error(f"--tau-min ({args.tau_min}) must be > 0 and < --tau-max ({args.tau_max})")
-    if args.steps < 1 or args.seq_length < 2 or args.micro_batch_size < 1:
-        p.error("--steps, --micro-batch-size must be >= 1 and --seq-length >= 2")
-    return args
+def write_corpus(path: str, max_chars: int = 3000) -> int:
+    """pydoc's help topics cut into documents of at most ``max_chars`` characters."""
+    from pydoc_data.topics import topics
+
+    n = 0
+    with open(path, "w") as f:
+        for name in sorted(topics):
+            text = topics[name].strip()
+            for start in range(0, len(text), max_chars):
+                f.write(json.dumps({"text": text[start : start + max_chars], "meta": name}) + "\n")
+                n += 1
+    return n
 
 
-def init_distributed() -> int:
-    if "RANK" in os.environ:  # launched by torchrun
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    apply_cpu_support()
-    tp = dist.get_world_size()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    return tp
+def train_tokenizer(corpus: str, prefix: str, vocab_size: int) -> str:
+    import sentencepiece as spm
+
+    with open(corpus) as f:
+        texts = [json.loads(line)["text"] for line in f]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_prefix=prefix, vocab_size=vocab_size,
+        model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, max_sentence_length=1 << 16, minloglevel=2,
+    )  # fmt: skip
+    return prefix + ".model"
 
 
-def corpus() -> torch.Tensor:
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+def run(cmd: list[str], **kw) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, **kw)
 
 
-def batches(data: torch.Tensor, args, seed: int):
-    """Random windows; the same generator on every TP rank, so all ranks see the same batch."""
-    gen = torch.Generator().manual_seed(seed)
-    while True:
-        starts = torch.randint(
-            0, data.numel() - args.seq_length - 1, (args.micro_batch_size,), generator=gen
-        )
-        window = torch.stack([data[s : s + args.seq_length + 1] for s in starts.tolist()])
-        yield window[:, :-1], window[:, 1:]  # tokens, labels: [b, s]
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default=os.path.join(REPO, "runs", "quickstart"), help="work dir")
+    p.add_argument("--train-iters", type=int, default=300)
+    p.add_argument("--nproc", type=int, default=2, help="CPU processes = tensor-parallel size")
+    p.add_argument("--vocab-size", type=int, default=1024)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    out = lambda *parts: os.path.join(args.out, *parts)  # noqa: E731
+    start = time.perf_counter()
 
-
-def build(args, tp: int):
-    torch.manual_seed(args.seed)  # CPU master-weight init: identical at every TP size
-    model_parallel_cuda_manual_seed(args.seed)
-    config = TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=4,
-        tensor_model_parallel_size=tp,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=VOCAB,
-        max_sequence_length=args.seq_length,
-    )
-    tempnet = TempNetLM(
-        VOCAB, hidden_size=64, proj_size=64, tau_min=args.tau_min, tau_max=args.tau_max
-    )
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": model.parameters(), "lr": args.lr},
-            {"params": tempnet.parameters(), "lr": args.tempnet_lr},
-        ],
-        betas=(0.9, 0.95),
-        eps=1e-8,
-        weight_decay=0.1,
-    )
-    return model, tempnet, optimizer
-
-
-def train_step(model, tempnet, optimizer, tokens, labels, args):
-    b, s = tokens.shape
-    position_ids = torch.arange(s)[None].expand(b, s)
-    causal = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
-    logits = model(tokens, position_ids, causal)  # [b, s, V/tp]
-    tau = tempnet(logits)  # [b, s], from detached logits
-    with torch.no_grad():
-        ce = temperature_scaled_cross_entropy(logits, labels, 1.0, vocab_size=VOCAB).mean()
-    loss = vocab_parallel_dro_loss(logits, labels, tau, rho=args.rho, vocab_size=VOCAB).mean()
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    tau = tau.detach()
-    return dict(
-        dro_loss=loss.item(),
-        ce_loss=ce.item(),
-        tau_mean=float(tau.mean()),
-        tau_min=float(tau.min()),
-        tau_max=float(tau.max()),
-    )
-
-
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    tp = init_distributed()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
-    model, tempnet, optimizer = build(args, tp)
-    log_rank0(
-        "quickstart: GPT %d layers x %d hidden, TP = %d, TempNet %d params/rank, rho = %g",
-        args.num_layers,
-        args.hidden_size,
-        tp,
-        sum(p.numel() for p in tempnet.parameters()),
-        args.rho,
-        logger=logger,
-    )
-    data = batches(corpus(), args, args.seed)
-    for step in range(1, args.steps + 1):
-        metrics = train_step(model, tempnet, optimizer, *next(data), args)
-        if step % args.log_interval == 0 or step in (1, args.steps):
-            log_rank0(
-                "step %4d | dro %.4f | ce %.4f | tau mean %.3f [%.3f, %.3f]",
-                step,
-                metrics["dro_loss"],
-                metrics["ce_loss"],
-                metrics["tau_mean"],
-                metrics["tau_min"],
-                metrics["tau_max"],
-                logger=logger,
-            )
-            if args.metrics_file and dist.get_rank() == 0:
-                with open(args.metrics_file, "a") as f:
-                    f.write(json.dumps({"step": step, **metrics}) + "\n")
-    log_rank0("quickstart finished: %d steps", args.steps, logger=logger)
-    dist.destroy_process_group()
+    docs = write_corpus(out("corpus.jsonl"))
+    print(f"[1/4] corpus: {docs} documents -> {out('corpus.jsonl')}", flush=True)
+    model = train_tokenizer(out("corpus.jsonl"), out("tokenizer"), args.vocab_size)
+    print(f"[2/4] SentencePiece tokenizer ({args.vocab_size} ids) -> {model}", flush=True)
+    tokenizer = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model]
+    run([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input",
+         out("corpus.jsonl"), "--output-prefix", out("corpus"), "--append-eod", "--workers", "2",
+         "--overwrite", *tokenizer])  # fmt: skip
+    print(f"[3/4] indexed dataset -> {out('corpus_text_document')}.bin/.idx", flush=True)
+    for stale in ("metrics.jsonl",):  # a rerun starts a fresh curve
+        if os.path.exists(out(stale)):
+            os.remove(out(stale))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={args.nproc}", os.path.join(REPO, "pretrain_gpt.py"),
+         "--model", "tiny", "--tensor-model-parallel-size", str(args.nproc),
+         "--data-path", out("corpus_text_document"), "--split", "95,5,0", *tokenizer,
+         "--data-cache-path", out("cache"), "--micro-batch-size", "8", "--global-batch-size", "8",
+         "--train-iters", str(args.train_iters), "--lr", "3e-3", "--min-lr", "3e-4",
+         "--lr-warmup-iters", "10", "--loss", "dro", "--tau-source", "tempnet",
+         "--tempnet-rho", "4", "--tempnet-tau-min", "0.05", "--tempnet-tau-max", "2.0",
+         "--tempnet-hidden-size", "64", "--tempnet-proj-size", "64", "--tempnet-lr", "1e-3",
+         "--eval-interval", str(max(args.train_iters // 3, 1)), "--eval-iters", "4",
+         "--log-interval", "25", "--save", out("checkpoints"), "--tensorboard-dir",
+         out("tensorboard"), "--metrics-file", out("metrics.jsonl")], env=env)  # fmt: skip
+    rows = [json.loads(line) for line in open(out("metrics.jsonl"))]
+    train = [r for r in rows if "loss" in r]
+    val = [r for r in rows if "val_ppl" in r]
+    first, last = train[0], train[-1]
+    print(f"[4/4] trained {last['iteration']} iterations in {time.perf_counter() - start:.0f} s")
+    print(f"  cross-entropy  {first['ce_loss']:.3f} -> {last['ce_loss']:.3f}")
+    print(f"  DRO loss       {first['loss']:.3f} -> {last['loss']:.3f}")
+    print(f"  tau            mean {last['tau_mean']:.3f}, range [{last['tau_min']:.3f}, "
+          f"{last['tau_max']:.3f}] (TempNet, last logged batch)")  # fmt: skip
+    if val:
+        v = val[-1]
+        print(f"  validation     perplexity {v['val_ppl']:.1f}, T-LLM perplexity "
+              f"{v['val_tllm_ppl']:.1f}")  # fmt: skip
+    print(f"  metrics        {out('metrics.jsonl')}")
+    print(f"  TensorBoard    tensorboard --logdir {out('tensorboard')}")
+    print(f"  checkpoint     {out('checkpoints', open(out('checkpoints', 'latest')).read())}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -16,6 +16,7 @@ from megatron_tempnet.data.gpt_data import (
     num_samples,
 )
 from megatron_tempnet.data.tokenizers import build_tokenizer
+from megatron_tempnet.distributed.launch import launch_environment
 from megatron_tempnet.training.checkpoint import load_checkpoint, save_checkpoint
 from megatron_tempnet.training.config import RunConfig, validate
 from megatron_tempnet.training.engine import (
@@ -31,7 +32,8 @@ from megatron_tempnet.utils.logging import log_rank0
 
 def pretrain(config: RunConfig) -> dict:
     """Train as configured; returns the last logged metrics."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    os.environ.update(launch_environment(os.environ))  # torchrun, srun, or a lone process
+    world_size = int(os.environ["WORLD_SIZE"])
     tokenizer = build_tokenizer(**config.tokenizer)
     if config.model.vocab_size is None:
         config.model.vocab_size = tokenizer.vocab_size

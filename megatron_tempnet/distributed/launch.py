@@ -1,0 +1,59 @@
+"""Where this process sits in the job: torchrun's variables, SLURM's (``srun``), or alone.
+
+torch.distributed reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+``MASTER_PORT``. torchrun sets them; under ``srun`` they are derived from SLURM's own variables
+(the rendezvous is the first node of the allocation); a process started alone is rank 0 of 1.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Mapping
+
+DEFAULT_PORT = 29500
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu[003-010,012],cpu1`` -> ``gpu003``."""
+    first = re.match(r"[^,\[]+(\[[^\]]*\])?", nodelist.strip())
+    if first is None:
+        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
+    entry = first.group(0)
+    if "[" not in entry:
+        return entry
+    prefix, ranges = entry.split("[", 1)
+    start = ranges.rstrip("]").split(",")[0].split("-")[0]
+    return prefix + start
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The torch.distributed variables to add to ``env`` (nothing when torchrun set them)."""
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return {}
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        job = int(env.get("SLURM_JOB_ID", "0"))
+        return {
+            "RANK": env["SLURM_PROCID"],
+            "WORLD_SIZE": env["SLURM_NTASKS"],
+            "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+            "LOCAL_WORLD_SIZE": env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0],
+            "MASTER_ADDR": env.get("MASTER_ADDR")
+            or first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "localhost"))),
+            # one port per job, so that jobs sharing a node do not collide
+            "MASTER_PORT": env.get("MASTER_PORT") or str(DEFAULT_PORT + job % 10000),
+        }
+    return {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"),
+        "MASTER_PORT": env.get("MASTER_PORT") or str(_free_port()),
+    }
