@@ -1,8 +1,9 @@
 """A science check on synthetic data: what TempNet learns jointly with an LM under the DRO loss.
 
 Corpus: tokens 0-15 are "determined" (always followed by f(a) = (7a + 3) mod 32), tokens 16-31
-are "random" (followed by a uniformly random token). A tiny GPT and TempNet are trained jointly
-with the KL-DRO loss, then tau is read per context class.
+are "random" (followed by a uniformly random token). Setting (iii): a tiny GPT is trained with
+cross-entropy and frozen, then a TempNet is learned with the KL-DRO loss for each of two rho
+values, and tau is read per context class.
 
 What the math predicts (DESIGN.md §2, the paper's eq. 8): df/dtau = rho - KL(softmax(L / tau) ||
 uniform), so the optimal tau is where the tempered distribution sits at KL = rho from uniform.

@@ -201,3 +201,69 @@ def test_invalid_flags_fail_before_building_anything(corpus, tmp_path, flags, me
     assert r.returncode != 0
     assert message in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "cache").exists()  # failed before the data was even indexed
+
+
+def test_recompute_bf16_and_a_deepspeed_json(corpus, reference_curve, tmp_path):
+    def curve(name, **flags):
+        _pretrain(1, _args(corpus, tmp_path, **flags, **{"metrics-file": tmp_path / name}))
+        return [r["loss"] for r in _curve(tmp_path / name)]
+
+    reference = [r["loss"] for r in reference_curve]
+    assert curve("recompute.jsonl", **{"recompute-activations": True}) == pytest.approx(
+        reference, rel=1e-6
+    )
+    bf16 = curve("bf16.jsonl", bf16=True)
+    assert bf16 != reference and bf16 == pytest.approx(reference, rel=3e-2)
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e5}}))
+    assert curve("ds.jsonl", **{"deepspeed-config": ds_json}) == pytest.approx(reference, rel=1e-5)
+    r = _pretrain(0, _args(corpus, tmp_path, **{"deepspeed-config": tmp_path / "no.json"}),
+                  check=False)  # fmt: skip
+    assert r.returncode == 1 and "--deepspeed-config" in r.stderr and "no.json" in r.stderr
+
+
+def test_a_nan_loss_stops_the_run_naming_iteration_and_rank(corpus, tmp_path):
+    r = _pretrain(2, _args(corpus, tmp_path, lr=1e30, **{"clip-grad": 0, "zero-stage": 1}),
+                  check=False)  # fmt: skip
+    assert r.returncode != 0
+    assert "error: iteration 2: the loss is nan (rank 0); stopping" in r.stderr
+
+
+def test_keep_last_finetune_and_tensorboard(corpus, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    save = tmp_path / "ckpt"
+    flags = {"train-iters": 6, "save": save, "save-interval": 2, "keep-last": 2,
+             "eval-interval": 3, "tensorboard-dir": tmp_path / "tb"}  # fmt: skip
+    _pretrain(1, _args(corpus, tmp_path, **flags))
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == [
+        "iter_0000004", "iter_0000006"]  # fmt: skip
+    assert json.loads((save / "config.json").read_text())["training"]["train_iters"] == 6
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    assert {
+        "loss/loss",
+        "loss/ce_loss",
+        "tau/mean",
+        "tau/std",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_sec",
+        "validation/ppl",
+        "validation/tllm_ppl",
+    } <= scalars
+    assert "tau/histogram" in events.Tags()["histograms"]
+    assert [e.step for e in events.Scalars("loss/loss")] == list(range(1, 7))
+    # --finetune: the weights of iteration 6, a fresh start for everything else
+    tuned = tmp_path / "tuned.jsonl"
+    finetune = {"train-iters": 2, "load": save, "finetune": True, "metrics-file": tuned,
+                "eval-interval": 0}  # fmt: skip
+    _pretrain(1, _args(corpus, tmp_path, **finetune))
+    scratch = tmp_path / "scratch.jsonl"
+    _pretrain(1, _args(corpus, tmp_path, **{"train-iters": 2, "metrics-file": scratch,
+                                            "eval-interval": 0}))  # fmt: skip
+    tuned_rows, scratch_rows = _curve(tuned), _curve(scratch)
+    assert [r["iteration"] for r in tuned_rows] == [1, 2]
+    assert tuned_rows[0]["consumed_samples"] == scratch_rows[0]["consumed_samples"] == 8
+    assert tuned_rows[0]["ce_loss"] < scratch_rows[0]["ce_loss"] - 0.05  # trained weights
