@@ -51,16 +51,9 @@ def pretrain(config: RunConfig) -> dict:
     sizes = num_samples(t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters)
     train_ds, valid_ds, _ = build_gpt_datasets(config.data, tokenizer, sizes)
 
-    module = build_module(config)
-    engine, optimizer = build_engine(module, config, world_size)
-    start, data_state = 0, DataState(0, dataset_fingerprint(train_ds))
+    engine, optimizer = build_engine(build_module(config), config, world_size)
+    start, data_state = _resume(engine, config, train_ds)
     ckpt = config.checkpoint
-    if ckpt.load:
-        client = load_checkpoint(engine, ckpt.load, weights_only=ckpt.finetune,
-                                 load_optimizer=not ckpt.no_load_optim)  # fmt: skip
-        if client is not None:
-            start = int(client["iteration"])
-            data_state = DataState.from_state_dict(client["data"], train_ds)
     _save_config(config)
     loader = ResumableLoader(train_ds, data_state, t.micro_batch_size, dp_rank, dp)
     gas = config.gradient_accumulation_steps(world_size)
@@ -76,15 +69,10 @@ def pretrain(config: RunConfig) -> dict:
         check_finite(stats, grad_norm, iteration)
         tokens_since += stats.tokens
         if iteration % config.logging.log_interval == 0 or iteration == t.train_iters:
-            elapsed = time.perf_counter() - tic
-            last = {
-                **stats.metrics(),
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "tokens_per_sec": tokens_since / max(elapsed, 1e-9),
-                "memory_mb": memory_mb(),
-                "consumed_samples": loader.state().consumed_samples,
-            }
+            throughput = tokens_since / max(time.perf_counter() - tic, 1e-9)
+            last = {**stats.metrics(), "lr": lr, "grad_norm": grad_norm,
+                    "tokens_per_sec": throughput, "memory_mb": memory_mb(),
+                    "consumed_samples": loader.state().consumed_samples}  # fmt: skip
             run_log.log(iteration, last, stats.tau_sample)
             tic, tokens_since = time.perf_counter(), 0.0
         if valid_ds is not None and t.eval_interval and iteration % t.eval_interval == 0:
@@ -98,6 +86,19 @@ def pretrain(config: RunConfig) -> dict:
     run_log.close()
     dist.barrier()
     return last
+
+
+def _resume(engine, config: RunConfig, train_ds) -> tuple[int, DataState]:
+    """The iteration and data position to start from (0 and the start without --load)."""
+    ckpt = config.checkpoint
+    start, data_state = 0, DataState(0, dataset_fingerprint(train_ds))
+    if ckpt.load:
+        client = load_checkpoint(engine, ckpt.load, weights_only=ckpt.finetune,
+                                 load_optimizer=not ckpt.no_load_optim)  # fmt: skip
+        if client is not None:
+            start = int(client["iteration"])
+            data_state = DataState.from_state_dict(client["data"], train_ds)
+    return start, data_state
 
 
 def _should_save(iteration: int, config: RunConfig) -> bool:
