@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--train-iters", type=int, required=True)
     g.add_argument("--global-batch-size", type=int, required=True)
     g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--eval-iters", type=int, default=10)  # pretrain_gpt.py's default
     return p.parse_args(argv)
 
 

@@ -267,3 +267,18 @@ def test_keep_last_finetune_and_tensorboard(corpus, tmp_path):
     assert [r["iteration"] for r in tuned_rows] == [1, 2]
     assert tuned_rows[0]["consumed_samples"] == scratch_rows[0]["consumed_samples"] == 8
     assert tuned_rows[0]["ce_loss"] < scratch_rows[0]["ce_loss"] - 0.05  # trained weights
+
+
+def test_a_prebuilt_data_cache_is_what_training_loads(corpus, tmp_path):
+    cache = tmp_path / "cache"
+    spec = corpus["spec"]
+    data = ["--data-path", corpus["prefix"]["A"], "--split", "90,8,2", "--seq-length", "32",
+            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", spec["vocab_file"],
+            "--merge-file", spec["merge_file"], "--data-cache-path", str(cache)]  # fmt: skip
+    batch = ["--train-iters", "10", "--global-batch-size", "8", "--eval-interval", "5"]
+    tool = os.path.join(REPO, "tools", "build_data_cache.py")
+    subprocess.run([sys.executable, tool, *data, *batch], check=True, capture_output=True)
+    before = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    # the same flags (defaults included) in pretrain_gpt.py: its start-up only reads the cache
+    _pretrain(0, _args(corpus, tmp_path, **{"eval-iters": None, "seed": None}))
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == before
