@@ -178,7 +178,9 @@ def transformer_config(
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
-        use_cpu_initialization=True,  # same full-weight init whatever TP: layouts compare exactly
+        # on CPU the full weights are drawn then split, so every TP layout starts from the same
+        # model; on GPU each rank initialises its own shard in place (Megatron-LM's behaviour)
+        use_cpu_initialization=not torch.cuda.is_available(),
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,

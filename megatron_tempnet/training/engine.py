@@ -53,10 +53,10 @@ def init_process_groups(config: RunConfig) -> None:
     from megatron.core import parallel_state
 
     apply_cpu_support()
+    if torch.cuda.is_available():  # before NCCL's first use
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     p = config.parallel
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=p.tensor_model_parallel_size,
