@@ -22,12 +22,13 @@ warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (is|a
 from megatron_tempnet.data.cli import run_tool  # noqa: E402
 from megatron_tempnet.models.gpt import ModelConfigError  # noqa: E402
 from megatron_tempnet.training.arguments import build_parser, config_from_args  # noqa: E402
+from megatron_tempnet.training.checkpoint import CheckpointError  # noqa: E402
 from megatron_tempnet.training.config import ConfigError  # noqa: E402
 from megatron_tempnet.training.loop import pretrain  # noqa: E402
 from megatron_tempnet.training.loss import LossConfigError  # noqa: E402
 from megatron_tempnet.training.step import TrainingError  # noqa: E402
 
-USER_ERRORS = (ConfigError, ModelConfigError, LossConfigError, TrainingError)
+USER_ERRORS = (ConfigError, ModelConfigError, LossConfigError, TrainingError, CheckpointError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,10 @@ from megatron_tempnet.utils.logging import log_rank0
 LATEST = "latest"
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used as asked; names the directory and what is wrong."""
+
+
 def tag_for(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
@@ -85,17 +89,24 @@ def load_checkpoint(engine, load_dir: str, *, weights_only: bool, load_optimizer
     """
     tag = latest_tag(load_dir)
     if tag is None:
+        if weights_only:
+            raise CheckpointError(
+                f"--finetune --load {load_dir}: no checkpoint there (no 'latest')"
+            )
         log_rank0("no checkpoint in %s: starting from scratch", load_dir)
         return None
+    if weights_only:
+        _check_finetune_source(engine, load_dir, tag)
     path, client_state = engine.load_checkpoint(
         load_dir,
         tag=tag,
+        load_module_strict=not weights_only,  # an LM-only checkpoint may lack TempNet
         load_module_only=weights_only,
         load_optimizer_states=load_optimizer and not weights_only,
         load_lr_scheduler_states=False,
     )
     if path is None:
-        raise FileNotFoundError(f"--load {load_dir}: checkpoint {tag} could not be read")
+        raise CheckpointError(f"--load {load_dir}: checkpoint {tag} could not be read")
     if weights_only:
         log_rank0("loaded weights from %s (--finetune)", path)
         return None
@@ -104,3 +115,25 @@ def load_checkpoint(engine, load_dir: str, *, weights_only: bool, load_optimizer
         _set_rng_state(torch.load(rng_file, weights_only=False))
     log_rank0("resumed from %s at iteration %d", path, client_state["iteration"])
     return client_state
+
+
+def _check_finetune_source(engine, load_dir: str, tag: str) -> None:
+    """--finetune may start TempNet fresh (an LM-only checkpoint), but never the LM."""
+    from megatron.core import parallel_state
+
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    path = os.path.join(load_dir, tag, f"mp_rank_{rank:02d}_model_states.pt")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"--finetune --load {load_dir}: {path} is missing")
+    saved = torch.load(path, map_location="cpu", weights_only=False).get("module") or {}
+    if not saved:  # ZeRO-3 keeps the weights in its partition files: nothing to compare here
+        return
+    missing = sorted(set(engine.module.state_dict()) - set(saved))
+    lm_missing = [k for k in missing if not k.startswith("tempnet.")]
+    if lm_missing:
+        raise CheckpointError(
+            f"--finetune --load {load_dir}: {path} lacks {len(lm_missing)} language-model "
+            f"tensors (e.g. {lm_missing[0]}): a checkpoint of another architecture?"
+        )
+    if missing:
+        log_rank0("TempNet starts from its initialisation: %s has no TempNet", path)

@@ -282,3 +282,24 @@ def test_a_prebuilt_data_cache_is_what_training_loads(corpus, tmp_path):
     # the same flags (defaults included) in pretrain_gpt.py: its start-up only reads the cache
     _pretrain(0, _args(corpus, tmp_path, **{"eval-iters": None, "seed": None}))
     assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == before
+
+
+def test_setting_iii_tempnet_on_an_lm_only_checkpoint(corpus, tmp_path):
+    """Train an LM with cross-entropy (no TempNet), then learn TempNet on it, frozen."""
+    lm_ckpt = tmp_path / "lm"
+    lm_only = {"loss": "ce", "tau-source": "fixed", "save": lm_ckpt, "train-iters": 4,
+               "eval-interval": 0}  # fmt: skip
+    _pretrain(1, _args(corpus, tmp_path, **lm_only))
+    out = tmp_path / "tempnet"
+    flags = {"freeze-lm": True, "load": lm_ckpt, "finetune": True, "save": out,
+             "train-iters": 3, "eval-interval": 0}  # fmt: skip
+    _pretrain(1, _args(corpus, tmp_path, **flags))
+    load = lambda d, tag: torch.load(d / tag / "mp_rank_00_model_states.pt",  # noqa: E731
+                                     map_location="cpu", weights_only=False)["module"]  # fmt: skip
+    before, after = load(lm_ckpt, "iter_0000004"), load(out, "iter_0000003")
+    lm_keys = [k for k, v in before.items() if isinstance(v, torch.Tensor)]
+    assert lm_keys and all(torch.equal(before[k], after[k]) for k in lm_keys)
+    assert any(k.startswith("tempnet.") for k in after)
+    r = _pretrain(0, _args(corpus, tmp_path, **{**flags, "load": tmp_path / "nowhere"}),
+                  check=False)  # fmt: skip
+    assert r.returncode == 1 and "no checkpoint there" in r.stderr
