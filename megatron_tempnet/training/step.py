@@ -46,15 +46,21 @@ class StepStats:
         }
 
 
+def _device() -> torch.device:
+    """Where batches and reduced statistics live (NCCL reduces CUDA tensors only)."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _unpack(batch: dict) -> tuple[torch.Tensor, ...]:
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    return tuple(batch[k].to(device) for k in ("tokens", "labels", "loss_mask", "position_ids"))
+    keys = ("tokens", "labels", "loss_mask", "position_ids")
+    return tuple(batch[k].to(_device()) for k in keys)
 
 
 class _Accumulator:
     def __init__(self):
-        self.sums = torch.zeros(5, dtype=torch.float64)  # tokens, loss, ce, tau, tau^2
-        self.extremes = torch.tensor([math.inf, math.inf], dtype=torch.float64)  # min, -max
+        dev = _device()
+        self.sums = torch.zeros(5, dtype=torch.float64, device=dev)  # tokens, loss, ce, tau, tau^2
+        self.extremes = torch.full((2,), math.inf, dtype=torch.float64, device=dev)  # min, -max
         self.sample = torch.zeros(0)
 
     def add(self, out, mask: torch.Tensor) -> None:
@@ -63,9 +69,9 @@ class _Accumulator:
         self.sums += torch.stack([
             keep.sum().double(), out.loss.detach().double()[keep].sum(),
             out.ce.double()[keep].sum(), tau.sum(), (tau * tau).sum(),
-        ]).cpu()  # fmt: skip
+        ])  # fmt: skip
         if tau.numel():
-            self.extremes = torch.minimum(self.extremes, torch.stack([tau.min(), -tau.max()]).cpu())
+            self.extremes = torch.minimum(self.extremes, torch.stack([tau.min(), -tau.max()]))
         self.sample = tau.float().cpu()
 
     def reduce(self, group) -> StepStats:
@@ -87,7 +93,7 @@ def train_step(
     """
     dp = dist.get_world_size(group=dp_group)
     unpacked = [_unpack(b) for b in batches]
-    num_tokens = torch.tensor([sum(float(u[2].sum()) for u in unpacked)], dtype=torch.float64)
+    num_tokens = torch.stack([u[2].sum() for u in unpacked]).sum().double().reshape(1)
     dist.all_reduce(num_tokens, group=dp_group)  # unmasked tokens in the global batch
     num_tokens = max(float(num_tokens), 1.0)
     acc, grad_norm = _Accumulator(), None
@@ -132,7 +138,7 @@ def check_finite(stats: StepStats, grad_norm: float | None, iteration: int) -> N
 def evaluate(engine, batches, *, dp_group) -> dict:
     """Validation CE perplexity and the paper's T-LLM perplexity (probabilities of L / tau)."""
     engine.eval()
-    sums = torch.zeros(4, dtype=torch.float64)  # tokens, ce, ts-ce, tau
+    sums = torch.zeros(4, dtype=torch.float64, device=_device())  # tokens, ce, ts-ce, tau
     for batch in batches:
         tokens, labels, mask, position_ids = _unpack(batch)
         out = engine(tokens, position_ids, labels)
@@ -140,7 +146,7 @@ def evaluate(engine, batches, *, dp_group) -> dict:
         sums += torch.stack([
             keep.sum().double(), out.ce.double()[keep].sum(), out.ts_ce.double()[keep].sum(),
             out.tau.double()[keep].sum(),
-        ]).cpu()  # fmt: skip
+        ])  # fmt: skip
     engine.train()
     dist.all_reduce(sums, group=dp_group)
     tokens, ce, ts_ce, tau = sums.tolist()
