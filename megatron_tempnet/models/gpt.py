@@ -2,9 +2,9 @@
 
 GPT-2: learned absolute positions, LayerNorm, GELU MLP with biases, input and output embeddings
 tied. LLaMA: RoPE, RMSNorm, SwiGLU MLP without biases, untied embeddings, grouped-query
-attention (``num_query_groups`` key/value heads). Both are megatron-core ``GPTModel`` instances
-on the "local" (pure PyTorch) layer spec, so they run on CPU as well as GPU; tensor parallelism
-splits attention heads, MLP columns and the vocabulary as in Megatron-LM.
+attention (``num_query_groups`` key/value heads). Both are built from megatron-core's layers on
+the "local" (pure PyTorch) layer spec (``gpt_layers``), so they run on CPU as well as GPU; tensor
+parallelism splits attention heads, MLP columns and the vocabulary as in Megatron-LM.
 """
 
 from __future__ import annotations
@@ -150,11 +150,13 @@ def transformer_config(
     model: ModelConfig,
     *,
     tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
-    recompute_activations: bool = False,
 ):
-    """megatron-core's ``TransformerConfig`` for ``model`` (CPU-safe: no fused kernels)."""
+    """megatron-core's ``TransformerConfig`` for ``model`` (CPU-safe: no fused kernels).
+
+    The config has no pipeline split: pipeline stages are DeepSpeed's (``gpt_layers``), and
+    every layer gets its global layer number directly.
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     model.validate(tensor_parallel_size)
@@ -173,7 +175,6 @@ def transformer_config(
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         tensor_model_parallel_size=tensor_parallel_size,
-        pipeline_model_parallel_size=pipeline_parallel_size,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -187,45 +188,6 @@ def transformer_config(
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
-        recompute_granularity="full" if recompute_activations else None,
-        recompute_method="uniform" if recompute_activations else None,
-        recompute_num_layers=1 if recompute_activations else None,
-    )
-
-
-def build_gpt_model(
-    model: ModelConfig,
-    *,
-    tensor_parallel_size: int = 1,
-    params_dtype: torch.dtype = torch.float32,
-    recompute_activations: bool = False,
-    pre_process: bool = True,
-    post_process: bool = True,
-):
-    """A megatron-core ``GPTModel``; its forward without labels returns logits [b, s, V_pad/tp].
-
-    megatron-core's ``parallel_state`` must be initialised (TP group) before the call.
-    """
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    config = transformer_config(
-        model,
-        tensor_parallel_size=tensor_parallel_size,
-        params_dtype=params_dtype,
-        recompute_activations=recompute_activations,
-    )
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=model.normalization),
-        vocab_size=model.padded_vocab_size(tensor_parallel_size),
-        max_sequence_length=model.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
-        position_embedding_type=model.position_embedding_type,
-        rotary_base=model.rotary_base,
     )
 
 

@@ -1,4 +1,5 @@
-"""GPT-2 and LLaMA models from megatron-core specs: presets, flag checks, TP = 2 equals TP = 1."""
+"""GPT-2 and LLaMA models from megatron-core layers: presets, flag checks, the same function as
+megatron-core's own GPTModel, TP = 2 equals TP = 1."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ def _forward_backward(model_cfg: ModelConfig):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import (
         gather_from_tensor_model_parallel_region,
-        model_parallel_cuda_manual_seed,
     )
 
     from megatron_tempnet.distributed import apply_cpu_support
@@ -32,16 +32,9 @@ def _forward_backward(model_cfg: ModelConfig):
     apply_cpu_support()
     tp = dist.get_world_size()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    torch.manual_seed(3)
-    model_parallel_cuda_manual_seed(3)
-    model = build_gpt_model(model_cfg, tensor_parallel_size=tp)
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model_cfg.vocab_size, (BATCH, SEQ), generator=gen)
-    position_ids = torch.arange(SEQ)[None].expand(BATCH, SEQ)
-    logits = model(tokens, position_ids, None)  # [b, s, V_pad / tp]; default causal mask
-    causal = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
-    with torch.no_grad():
-        assert torch.equal(model(tokens, position_ids, causal), logits)
+    model = build_gpt_model(model_cfg, tensor_parallel_size=tp, seed=3)
+    tokens, position_ids = _inputs(model_cfg)
+    logits = model(tokens, position_ids)  # [b, s, V_pad / tp]; causal attention
     # sum over the shard / full size: the ranks' parts add up to the TP = 1 loss
     ((logits.float() ** 2).sum() / (logits.numel() * tp)).backward()
     full = gather_from_tensor_model_parallel_region(logits.detach())
@@ -49,10 +42,68 @@ def _forward_backward(model_cfg: ModelConfig):
     dist.all_reduce(t := torch.tensor([n_params]))
     return {
         "logits": full,
-        "norm_grad": model.decoder.final_layernorm.weight.grad.clone(),
+        "norm_grad": model.final_norm.norm.weight.grad.clone(),
         "params": int(t),
         "shard": tuple(logits.shape),
     }
+
+
+def _inputs(model_cfg: ModelConfig):
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model_cfg.vocab_size, (BATCH, SEQ), generator=gen)
+    return tokens, torch.arange(SEQ)[None].expand(BATCH, SEQ)
+
+
+def _against_megatron_gpt_model(model_cfg: ModelConfig):
+    """Our pieces with megatron-core GPTModel's weights give GPTModel's logits."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_tempnet.distributed import apply_cpu_support
+    from megatron_tempnet.models import build_gpt_model, transformer_config
+
+    apply_cpu_support()
+    parallel_state.initialize_model_parallel()
+    torch.manual_seed(7)
+    model_parallel_cuda_manual_seed(7)
+    reference = GPTModel(
+        config=transformer_config(model_cfg),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=model_cfg.normalization),
+        vocab_size=model_cfg.padded_vocab_size(1),
+        max_sequence_length=model_cfg.max_position_embeddings,
+        share_embeddings_and_output_weights=not model_cfg.untie_embeddings_and_output_weights,
+        position_embedding_type=model_cfg.position_embedding_type,
+    )
+    ours = build_gpt_model(model_cfg, seed=1)
+    n = model_cfg.num_layers
+    renames = {"embedding.word_embeddings.": "pieces.0.word_embeddings.",
+               "embedding.position_embeddings.": "pieces.1.position_embeddings.",
+               "decoder.final_layernorm.": f"pieces.{n + 2}.norm.",
+               "output_layer.": f"pieces.{n + 3}.output_layer."}  # fmt: skip
+    renames.update({f"decoder.layers.{i}.": f"pieces.{i + 2}.layer." for i in range(n)})
+    state = {}
+    for key, value in reference.state_dict().items():
+        if "_extra_state" in key:
+            continue
+        prefix = next(p for p in renames if key.startswith(p))
+        state[renames[prefix] + key[len(prefix) :]] = value
+    missing, unexpected = ours.load_state_dict(state, strict=False)
+    assert not unexpected and all("_extra_state" in k for k in missing), (missing, unexpected)
+    tokens, position_ids = _inputs(model_cfg)
+    with torch.no_grad():
+        return reference(tokens, position_ids, None), ours(tokens, position_ids)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_the_pieces_compute_megatron_cores_gpt_model(arch):
+    cfg = ModelConfig.from_preset("tiny", vocab_size=200) if arch == "gpt2" else _llama_tiny(
+        vocab_size=200)  # fmt: skip
+    cfg.max_position_embeddings = cfg.seq_length = SEQ
+    expected, got = run_distributed(_against_megatron_gpt_model, 1, args=(cfg,))[0]
+    assert got.shape == expected.shape == (BATCH, SEQ, 256)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

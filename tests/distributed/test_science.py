@@ -66,13 +66,13 @@ def _lm_then_tempnets(rhos: tuple[float, ...]):
         "tiny", vocab_size=V, seq_length=SEQ, max_position_embeddings=SEQ,
         make_vocab_size_divisible_by=V,
     )  # fmt: skip
-    lm = build_gpt_model(cfg)
-    ce = lambda x, pos, y: temperature_scaled_cross_entropy(lm(x, pos, None), y, 1.0,  # noqa: E731
+    lm = build_gpt_model(cfg, seed=0)
+    ce = lambda x, pos, y: temperature_scaled_cross_entropy(lm(x, pos), y, 1.0,  # noqa: E731
                                                             vocab_size=V)  # fmt: skip
     _train(lm.parameters(), ce, 300, 3e-3, np.random.default_rng(1))
     lm.requires_grad_(False)
     test = _sequences(np.random.default_rng(2), 64)
-    test_logits = lm(test[:, :-1], torch.arange(SEQ)[None].expand(64, SEQ), None)
+    test_logits = lm(test[:, :-1], torch.arange(SEQ)[None].expand(64, SEQ))
     determined = test[:, :-1] < DETERMINED
     results = {}
     for rho in rhos:
@@ -81,7 +81,7 @@ def _lm_then_tempnets(rhos: tuple[float, ...]):
                             padded_vocab_size=V)  # fmt: skip
 
         def dro(x, pos, y, tempnet=tempnet, rho=rho):
-            logits = lm(x, pos, None)
+            logits = lm(x, pos)
             return vocab_parallel_dro_loss(logits, y, tempnet(logits), rho=rho, vocab_size=V)
 
         _train(tempnet.parameters(), dro, 600, 1e-3, np.random.default_rng(3))
