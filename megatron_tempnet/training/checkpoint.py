@@ -10,6 +10,7 @@ during a save leaves the previous checkpoint as ``latest``.
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 
@@ -95,8 +96,11 @@ def load_checkpoint(engine, load_dir: str, *, weights_only: bool, load_optimizer
             )
         log_rank0("no checkpoint in %s: starting from scratch", load_dir)
         return None
+    _check_layout(engine, load_dir, tag)
     if weights_only:
         _check_finetune_source(engine, load_dir, tag)
+    if hasattr(engine.module, "allow_missing_tempnet"):  # a pipeline stage
+        engine.module.allow_missing_tempnet = weights_only
     path, client_state = engine.load_checkpoint(
         load_dir,
         tag=tag,
@@ -117,9 +121,25 @@ def load_checkpoint(engine, load_dir: str, *, weights_only: bool, load_optimizer
     return client_state
 
 
+def _check_layout(engine, load_dir: str, tag: str) -> None:
+    """A pipeline checkpoint (one file per layer) loads into a pipeline run only, and back."""
+    saved_pipeline = bool(glob.glob(os.path.join(load_dir, tag, "layer_*-model_states.pt")))
+    running_pipeline = hasattr(engine.module, "ckpt_layer_path_list")
+    if saved_pipeline != running_pipeline:
+        saved = "with" if saved_pipeline else "without"
+        flag = "1" if not running_pipeline else "> 1"
+        raise CheckpointError(
+            f"--load {load_dir}: {tag} was saved {saved} pipeline parallelism and this run has "
+            f"--pipeline-model-parallel-size {flag}: load it with the layout it was saved with"
+        )
+
+
 def _check_finetune_source(engine, load_dir: str, tag: str) -> None:
     """--finetune may start TempNet fresh (an LM-only checkpoint), but never the LM."""
     from megatron.core import parallel_state
+
+    if hasattr(engine.module, "ckpt_layer_path_list"):
+        return _check_pipeline_source(engine.module, load_dir, tag)
 
     rank = parallel_state.get_tensor_model_parallel_rank()
     path = os.path.join(load_dir, tag, f"mp_rank_{rank:02d}_model_states.pt")
@@ -137,3 +157,19 @@ def _check_finetune_source(engine, load_dir: str, tag: str) -> None:
         )
     if missing:
         log_rank0("TempNet starts from its initialisation: %s has no TempNet", path)
+
+
+def _check_pipeline_source(module, load_dir: str, tag: str) -> None:
+    """Every language-model piece of this stage has its layer file in the checkpoint."""
+    from megatron_tempnet.training.pipeline import TempNetPiece
+
+    directory = os.path.join(load_dir, tag)
+    for local, piece in enumerate(module.forward_funcs):
+        if isinstance(piece, TempNetPiece) or not hasattr(piece, "state_dict"):
+            continue
+        if not module.ckpt_layer_path_list(directory, local):
+            raise CheckpointError(
+                f"--finetune --load {load_dir}: {tag} has no file for pipeline layer "
+                f"{local + module._local_start}: a checkpoint of another "
+                "--pipeline-model-parallel-size or architecture?"
+            )

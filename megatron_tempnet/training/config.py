@@ -150,9 +150,15 @@ def validate(config: RunConfig, world_size: int) -> None:
             f"--zero-stage {p.zero_stage} cannot shard gradients across pipeline stages "
             f"(--pipeline-model-parallel-size {pp}): use --zero-stage 0 or 1 with PP > 1"
         )
-    if pp > 1:
+    if pp > 1 and config.model.num_layers % pp:
         raise ConfigError(
-            "--pipeline-model-parallel-size > 1 is not available yet in pretrain_gpt.py"
+            f"--num-layers ({config.model.num_layers}) must be divisible by "
+            f"--pipeline-model-parallel-size ({pp})"
+        )
+    if pp > 1 and t.freeze_lm:
+        raise ConfigError(
+            f"--freeze-lm runs with --pipeline-model-parallel-size 1 only (got {pp}): use "
+            "tensor and data parallelism for a frozen LM"
         )
     if tp < 1 or pp < 1 or world_size % (tp * pp):
         raise ConfigError(

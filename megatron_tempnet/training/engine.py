@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megatron_tempnet.distributed import apply_cpu_support
 from megatron_tempnet.distributed.mpu import MegatronMPU
-from megatron_tempnet.models.gpt import build_gpt_model
+from megatron_tempnet.models.gpt_layers import build_gpt_model, seed_rngs
 from megatron_tempnet.tempnet import TempNetLM
 from megatron_tempnet.training.config import ConfigError, OptimizerConfig, RunConfig
 from megatron_tempnet.training.loss import LossConfig, TokenLosses, token_losses
@@ -42,7 +42,7 @@ class TrainModule(torch.nn.Module):
     def forward(self, tokens, position_ids, labels) -> TokenLosses:
         """``[b, s]`` token ids, positions and labels -> per-token loss, CE and tau."""
         with torch.no_grad() if self.freeze_lm else contextlib.nullcontext():
-            logits = self.lm(tokens, position_ids, None)  # [b, s, V_pad/tp]
+            logits = self.lm(tokens, position_ids)  # [b, s, V_pad/tp]
         return token_losses(logits, labels, self.loss_config, vocab_size=self.vocab_size,
                             tempnet=self.tempnet)  # fmt: skip
 
@@ -64,32 +64,29 @@ def init_process_groups(config: RunConfig) -> None:
     )
 
 
-def build_module(config: RunConfig) -> TrainModule:
-    """The LM (and TempNet) with the same initial weights whatever the parallel layout."""
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+def build_module(config: RunConfig) -> TrainModule | torch.nn.Module:
+    """The LM (and TempNet) with the same initial weights whatever the parallel layout.
 
+    PP = 1: a ``TrainModule``; PP > 1: this rank's pipeline stage (``GPTPipeline``).
+    """
     t, tp = config.training, config.parallel.tensor_model_parallel_size
-    torch.manual_seed(t.seed)
-    model_parallel_cuda_manual_seed(t.seed)
     dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
+    if config.parallel.pipeline_model_parallel_size > 1:
+        from megatron_tempnet.training.pipeline import build_pipeline
+
+        return build_pipeline(config, dtype)
     lm = build_gpt_model(
         config.model,
         tensor_parallel_size=tp,
         params_dtype=dtype,
         recompute_activations=t.recompute_activations,
+        seed=t.seed,
     )
     tempnet = None
     if config.loss.uses_tempnet:
-        torch.manual_seed(t.seed + 1)  # TempNet's init does not depend on the LM's size
-        tempnet = TempNetLM(
-            config.model.vocab_size,
-            hidden_size=t.tempnet_hidden_size,
-            proj_size=t.tempnet_proj_size,
-            tau_min=config.loss.tau_min,
-            tau_max=config.loss.tau_max,
-            padded_vocab_size=config.model.padded_vocab_size(tp),
-            stop_grad=config.loss.stop_grad,
-        ).to(dtype)
+        seed_rngs(t.seed + lm.num_specs)  # where a pipeline's last stage builds it
+        tempnet = TempNetLM(**tempnet_kwargs(config)).to(dtype)
+    seed_rngs(t.seed)
     if t.freeze_lm:
         lm.requires_grad_(False)
     if torch.cuda.is_available():
@@ -99,7 +96,18 @@ def build_module(config: RunConfig) -> TrainModule:
     return TrainModule(lm, tempnet, config.loss, config.model.vocab_size, t.freeze_lm)
 
 
-def param_groups(module: TrainModule, opt: OptimizerConfig) -> list[dict]:
+def tempnet_kwargs(config) -> dict:
+    """``TempNetLM``'s arguments for this run."""
+    t, loss = config.training, config.loss
+    return dict(
+        vocab_size=config.model.vocab_size, hidden_size=t.tempnet_hidden_size,
+        proj_size=t.tempnet_proj_size, tau_min=loss.tau_min, tau_max=loss.tau_max,
+        padded_vocab_size=config.model.padded_vocab_size(config.parallel.tensor_model_parallel_size),
+        stop_grad=loss.stop_grad,
+    )  # fmt: skip
+
+
+def param_groups(module: torch.nn.Module, opt: OptimizerConfig) -> list[dict]:
     """AdamW groups; ``max_lr``/``min_lr`` drive the schedule of each group."""
     groups = []
 
@@ -111,16 +119,26 @@ def param_groups(module: TrainModule, opt: OptimizerConfig) -> list[dict]:
                  "weight_decay": weight_decay}
             )  # fmt: skip
 
-    lm_params = list(module.lm.parameters())
+    lm_params, tempnet_params = split_parameters(module)
     add("lm", [p for p in lm_params if p.ndim >= 2], opt.lr, opt.weight_decay, opt.min_lr)
     add("lm_no_decay", [p for p in lm_params if p.ndim < 2], opt.lr, 0.0, opt.min_lr)
-    if module.tempnet is not None:
+    if tempnet_params:
         scale = opt.min_lr / opt.lr if opt.lr > 0 else 0.0
-        add("tempnet", module.tempnet.parameters(), opt.tempnet_lr, opt.tempnet_weight_decay,
+        add("tempnet", tempnet_params, opt.tempnet_lr, opt.tempnet_weight_decay,
             opt.tempnet_lr * scale)  # fmt: skip
     if not groups:
         raise ConfigError("nothing to train: every parameter is frozen")
     return groups
+
+
+def split_parameters(module: torch.nn.Module) -> tuple[list, list]:
+    """(LM parameters, TempNet parameters) of a ``TrainModule`` or a pipeline stage."""
+    tempnet = {id(p) for m in module.modules() if isinstance(m, TempNetLM) for p in m.parameters()}
+    placeholder = getattr(module, "tempnet_group_placeholder", None)
+    if placeholder is not None:
+        tempnet.add(id(placeholder))
+    params = list(module.parameters())
+    return [p for p in params if id(p) not in tempnet], [p for p in params if id(p) in tempnet]
 
 
 def deepspeed_config(config: RunConfig, world_size: int) -> dict:
@@ -142,7 +160,7 @@ def deepspeed_config(config: RunConfig, world_size: int) -> dict:
         train_batch_size=t.global_batch_size,
         zero_optimization=zero,
         # without ZeRO the training step clips (and measures the norm) itself
-        gradient_clipping=config.optimizer.clip_grad if config.parallel.zero_stage else 0.0,
+        gradient_clipping=config.optimizer.clip_grad if deepspeed_clips(config) else 0.0,
         zero_allow_untested_optimizer=True,  # our AdamW, with its parameter groups
         steps_per_print=base.get("steps_per_print", 10**9),  # we log ourselves
     )
@@ -153,6 +171,13 @@ def deepspeed_config(config: RunConfig, world_size: int) -> dict:
     return base
 
 
+def deepspeed_clips(config: RunConfig) -> bool:
+    """DeepSpeed clips (and reports the norm) under ZeRO, and for a mixed-precision pipeline
+    (its optimizer holds the float32 gradients); otherwise the training step does."""
+    t, p = config.training, config.parallel
+    return p.zero_stage > 0 or (p.pipeline_model_parallel_size > 1 and (t.bf16 or t.fp16))
+
+
 def build_engine(module: TrainModule, config: RunConfig, world_size: int):
     """``deepspeed.initialize`` over megatron-core's groups; returns (engine, optimizer)."""
     import deepspeed
@@ -161,18 +186,19 @@ def build_engine(module: TrainModule, config: RunConfig, world_size: int):
     optimizer = torch.optim.AdamW(
         param_groups(module, opt), betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps
     )
+    pipeline = config.parallel.pipeline_model_parallel_size > 1
     engine, optimizer, _, _ = deepspeed.initialize(
         model=module,
         optimizer=optimizer,
         config=deepspeed_config(config, world_size),
-        mpu=MegatronMPU(),
+        mpu=None if pipeline else MegatronMPU(),  # a pipeline brings DeepSpeed's own grid
     )
     if config.parallel.zero_stage == 3 and not config.model.untie_embeddings_and_output_weights:
         # the output layer multiplies by the embedding's (ZeRO-3-partitioned) weight outside
         # the embedding's own forward: tell ZeRO-3 to gather it for the output layer too
-        lm = module.lm
+        embedding = module.lm.embedding
         deepspeed.zero.register_external_parameter(
-            lm.output_layer, lm.shared_embedding_or_output_weight()
+            embedding.output_layer, embedding.word_embeddings.weight
         )
     return engine, optimizer
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from functools import partial
 
 import torch.distributed as dist
 
@@ -22,6 +23,7 @@ from megatron_tempnet.training.config import RunConfig, validate
 from megatron_tempnet.training.engine import (
     build_engine,
     build_module,
+    deepspeed_clips,
     init_process_groups,
     set_learning_rates,
 )
@@ -58,14 +60,13 @@ def pretrain(config: RunConfig) -> dict:
     loader = ResumableLoader(train_ds, data_state, t.micro_batch_size, dp_rank, dp)
     gas = config.gradient_accumulation_steps(world_size)
     run_log = RunLogger(config.logging)
-    # DeepSpeed's ZeRO optimizers clip and report the norm; without ZeRO we do both
-    own_clip = config.optimizer.clip_grad if config.parallel.zero_stage == 0 else None
+    step = _step_function(engine, optimizer, config, dp_group)
     last: dict = {}
     tic, tokens_since = time.perf_counter(), 0.0
     for iteration in range(start + 1, t.train_iters + 1):
         lr = set_learning_rates(optimizer, iteration - 1, config.optimizer)
         batches = [next(loader) for _ in range(gas)]
-        stats, grad_norm = train_step(engine, batches, dp_group=dp_group, clip_grad=own_clip)
+        stats, grad_norm = step(batches)
         check_finite(stats, grad_norm, iteration)
         tokens_since += stats.tokens
         if iteration % config.logging.log_interval == 0 or iteration == t.train_iters:
@@ -86,6 +87,20 @@ def pretrain(config: RunConfig) -> dict:
     run_log.close()
     dist.barrier()
     return last
+
+
+def _step_function(engine, optimizer, config: RunConfig, dp_group):
+    """``step(batches) -> (stats, grad_norm)`` for this layout (one process or a pipeline)."""
+    from megatron.core import parallel_state
+
+    own_clip = None if deepspeed_clips(config) else config.optimizer.clip_grad
+    if config.parallel.pipeline_model_parallel_size == 1:
+        return partial(train_step, engine, dp_group=dp_group, clip_grad=own_clip)
+    from megatron_tempnet.training.pipeline import NormRecorder, pipeline_train_step
+
+    norm = None if own_clip is None else NormRecorder(optimizer, own_clip)
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    return partial(pipeline_train_step, engine, dp_group=dp_group, pp_group=pp_group, norm=norm)
 
 
 def _resume(engine, config: RunConfig, train_ds) -> tuple[int, DataState]:
@@ -122,6 +137,11 @@ def _validate(engine, valid_ds, config: RunConfig, world_size: int, dp_group) ->
                              parallel_state.get_data_parallel_world_size())  # fmt: skip
     gas = config.gradient_accumulation_steps(world_size)
     batches = [next(loader) for _ in range(t.eval_iters * gas)]
+    if config.parallel.pipeline_model_parallel_size > 1:
+        from megatron_tempnet.training.pipeline import pipeline_evaluate
+
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        return pipeline_evaluate(engine, batches, dp_group=dp_group, pp_group=pp_group)
     return evaluate(engine, batches, dp_group=dp_group)
 
 

@@ -98,6 +98,7 @@ def token_losses(
     *,
     vocab_size: int,
     tempnet: torch.nn.Module | None = None,
+    tau: torch.Tensor | None = None,
     tp_group=None,
 ) -> TokenLosses:
     """Per-token training loss, cross-entropy and tau from vocabulary-parallel logits.
@@ -107,9 +108,11 @@ def token_losses(
         labels: ``[b, s]`` target ids.
         vocab_size: the true vocabulary |C|; padded columns are excluded from every sum.
         tempnet: the ``TempNetLM`` for ``--tau-source tempnet``.
+        tau: ``[b, s]`` TempNet's prediction, when it ran already (pipeline's last stage).
     """
     if config.tau_source == "tempnet":
-        tau = tempnet(logits)  # [b, s]; detached input unless --no-tempnet-stop-grad
+        if tau is None:
+            tau = tempnet(logits)  # [b, s]; detached input unless --no-tempnet-stop-grad
     elif config.tau_source == "newton":
         with torch.no_grad():
             tau = optimal_tau(

@@ -46,19 +46,19 @@ class StepStats:
         }
 
 
-def _device() -> torch.device:
+def compute_device() -> torch.device:
     """Where batches and reduced statistics live (NCCL reduces CUDA tensors only)."""
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _unpack(batch: dict) -> tuple[torch.Tensor, ...]:
+def unpack_batch(batch: dict) -> tuple[torch.Tensor, ...]:
     keys = ("tokens", "labels", "loss_mask", "position_ids")
-    return tuple(batch[k].to(_device()) for k in keys)
+    return tuple(batch[k].to(compute_device()) for k in keys)
 
 
-class _Accumulator:
+class StepAccumulator:
     def __init__(self):
-        dev = _device()
+        dev = compute_device()
         self.sums = torch.zeros(5, dtype=torch.float64, device=dev)  # tokens, loss, ce, tau, tau^2
         self.extremes = torch.full((2,), math.inf, dtype=torch.float64, device=dev)  # min, -max
         self.sample = torch.zeros(0)
@@ -74,12 +74,36 @@ class _Accumulator:
             self.extremes = torch.minimum(self.extremes, torch.stack([tau.min(), -tau.max()]))
         self.sample = tau.float().cpu()
 
-    def reduce(self, group) -> StepStats:
+    def reduce(self, group, pp_group=None) -> StepStats:
+        """Sums over ``group`` (data parallel); with ``pp_group`` the last pipeline stage's
+        statistics (the other stages hold none) reach every stage."""
         dist.all_reduce(self.sums, group=group)
         dist.all_reduce(self.extremes, op=dist.ReduceOp.MIN, group=group)
+        if pp_group is not None:
+            dist.all_reduce(self.sums, group=pp_group)
+            dist.all_reduce(self.extremes, op=dist.ReduceOp.MIN, group=pp_group)
+            self.sample = _share_sample(self.sample, pp_group)
         tokens, loss, ce, tau, tau_sq = self.sums.tolist()
         lo, neg_hi = self.extremes.tolist()
         return StepStats(max(tokens, 1.0), loss, ce, tau, tau_sq, lo, -neg_hi, self.sample)
+
+
+def _share_sample(sample: torch.Tensor, pp_group) -> torch.Tensor:
+    """The tau sample of the one stage that has it, on every stage of ``pp_group``."""
+    count = torch.tensor([sample.numel()], dtype=torch.float64, device=compute_device())
+    dist.all_reduce(count, group=pp_group)
+    buffer = torch.zeros(int(count.item()), dtype=torch.float64, device=compute_device())
+    if sample.numel():
+        buffer.copy_(sample.to(buffer))
+    dist.all_reduce(buffer, group=pp_group)
+    return buffer.float().cpu()
+
+
+def global_token_count(unpacked: list[tuple], dp_group) -> float:
+    """Unmasked tokens in the global batch: this rank's micro-batches, summed over DP."""
+    num_tokens = torch.stack([u[2].sum() for u in unpacked]).sum().double().reshape(1)
+    dist.all_reduce(num_tokens, group=dp_group)
+    return max(float(num_tokens), 1.0)
 
 
 def train_step(
@@ -92,11 +116,9 @@ def train_step(
     gradient norm (before clipping).
     """
     dp = dist.get_world_size(group=dp_group)
-    unpacked = [_unpack(b) for b in batches]
-    num_tokens = torch.stack([u[2].sum() for u in unpacked]).sum().double().reshape(1)
-    dist.all_reduce(num_tokens, group=dp_group)  # unmasked tokens in the global batch
-    num_tokens = max(float(num_tokens), 1.0)
-    acc, grad_norm = _Accumulator(), None
+    unpacked = [unpack_batch(b) for b in batches]
+    num_tokens = global_token_count(unpacked, dp_group)
+    acc, grad_norm = StepAccumulator(), None
     for tokens, labels, mask, position_ids in unpacked:
         out = engine(tokens, position_ids, labels)  # TrainModule.forward: TokenLosses
         loss = masked_mean(out.loss, mask, num_tokens)
@@ -105,7 +127,8 @@ def train_step(
         # accumulation steps
         engine.backward(loss * dp, scale_wrt_gas=False)
         if clip_grad is not None and engine.is_gradient_accumulation_boundary():
-            grad_norm = _clip(engine.module, clip_grad)  # gradients are reduced over DP by now
+            # gradients are reduced over DP by now
+            grad_norm = clip_gradients(engine.module.parameters(), clip_grad)
         engine.step()
         acc.add(out, mask)
     if clip_grad is None:
@@ -113,14 +136,32 @@ def train_step(
     return acc.reduce(dp_group), None if grad_norm is None else float(grad_norm)
 
 
-def _clip(module, clip_grad: float) -> float:
-    """Global gradient norm over TP x PP (sharded parameters counted once), clipped in place."""
-    from deepspeed.runtime.utils import clip_grad_norm_
+def clip_gradients(parameters, clip_grad: float) -> float:
+    """Global gradient norm over TP x PP, clipped in place to ``clip_grad`` (0 = measure only).
 
-    from megatron_tempnet.distributed.mpu import MegatronMPU
+    Tensor-parallel shards count on every rank, replicated parameters on TP rank 0 only, and a
+    tied weight's second pipeline copy (DeepSpeed marks it ``ds_pipe_replicated``) not at all.
+    """
+    from megatron.core import parallel_state
 
-    max_norm = clip_grad if clip_grad > 0 else math.inf
-    return float(clip_grad_norm_(module.parameters(), max_norm, mpu=MegatronMPU()))
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    params = [p for p in parameters if p.grad is not None]
+    counted = [
+        p.grad for p in params
+        if not getattr(p, "ds_pipe_replicated", False)
+        and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
+    ]  # fmt: skip
+    square = torch.zeros(1, dtype=torch.float64, device=compute_device())
+    for g in counted:
+        square += g.detach().double().pow(2).sum()
+    dist.all_reduce(square, group=parallel_state.get_model_parallel_group())
+    norm = float(square.sqrt())
+    if clip_grad > 0 and math.isfinite(norm):
+        coef = clip_grad / (norm + 1e-6)
+        if coef < 1:
+            for p in params:
+                p.grad.detach().mul_(coef)
+    return norm
 
 
 def check_finite(stats: StepStats, grad_norm: float | None, iteration: int) -> None:
@@ -138,9 +179,9 @@ def check_finite(stats: StepStats, grad_norm: float | None, iteration: int) -> N
 def evaluate(engine, batches, *, dp_group) -> dict:
     """Validation CE perplexity and the paper's T-LLM perplexity (probabilities of L / tau)."""
     engine.eval()
-    sums = torch.zeros(4, dtype=torch.float64, device=_device())  # tokens, ce, ts-ce, tau
+    sums = torch.zeros(4, dtype=torch.float64, device=compute_device())  # tokens, ce, ts-ce, tau
     for batch in batches:
-        tokens, labels, mask, position_ids = _unpack(batch)
+        tokens, labels, mask, position_ids = unpack_batch(batch)
         out = engine(tokens, position_ids, labels)
         keep = mask.bool()
         sums += torch.stack([
@@ -149,6 +190,11 @@ def evaluate(engine, batches, *, dp_group) -> dict:
         ])  # fmt: skip
     engine.train()
     dist.all_reduce(sums, group=dp_group)
+    return validation_metrics(sums)
+
+
+def validation_metrics(sums: torch.Tensor) -> dict:
+    """From the reduced sums (tokens, CE, temperature-scaled CE, tau) of a validation pass."""
     tokens, ce, ts_ce, tau = sums.tolist()
     tokens = max(tokens, 1.0)
     return {

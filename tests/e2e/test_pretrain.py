@@ -66,10 +66,14 @@ LAYOUTS = {  # name: (processes, flags)
     "dp2-zero0": (2, {"zero-stage": 0}),
     "dp2-zero1": (2, {"zero-stage": 1}),
     "dp2-zero2": (2, {"zero-stage": 2}),
+    "tp2-dp2-zero0": (4, {"tensor-model-parallel-size": 2, "zero-stage": 0}),
     "tp2-dp2-zero1": (4, {"tensor-model-parallel-size": 2, "zero-stage": 1}),
     "tp2-dp2-zero2": (4, {"tensor-model-parallel-size": 2, "zero-stage": 2}),
     "dp2-zero3": (2, {"zero-stage": 3}),
     "tp2-dp2-zero3": (4, {"tensor-model-parallel-size": 2, "zero-stage": 3}),
+    "pp2": (2, {"pipeline-model-parallel-size": 2}),
+    "tp2-pp2": (4, {"tensor-model-parallel-size": 2, "pipeline-model-parallel-size": 2}),
+    "pp2-dp2-zero1": (4, {"pipeline-model-parallel-size": 2, "zero-stage": 1}),
 }
 
 
@@ -194,6 +198,9 @@ def test_every_loss_and_tau_source_trains(corpus, tmp_path, loss, source, extra)
         ({"tempnet-tau-min": 0.5, "tempnet-tau-max": 0.3}, "--tempnet-tau-min (0.5)"),
         ({"freeze-lm": True, "tau-source": "fixed"}, "--freeze-lm trains TempNet only"),
         ({"loss": "ce"}, "--loss ce does not use tau"),
+        ({"pipeline-model-parallel-size": 4}, "--num-layers (2) must be divisible by"),
+        ({"pipeline-model-parallel-size": 2, "freeze-lm": True},
+         "--freeze-lm runs with --pipeline-model-parallel-size 1 only"),
     ],
 )  # fmt: skip
 def test_invalid_flags_fail_before_building_anything(corpus, tmp_path, flags, message):
@@ -303,3 +310,62 @@ def test_setting_iii_tempnet_on_an_lm_only_checkpoint(corpus, tmp_path):
     r = _pretrain(0, _args(corpus, tmp_path, **{**flags, "load": tmp_path / "nowhere"}),
                   check=False)  # fmt: skip
     assert r.returncode == 1 and "no checkpoint there" in r.stderr
+
+
+LLAMA = {"normalization": "RMSNorm", "swiglu": True, "untie-embeddings-and-output-weights": True,
+         "position-embedding-type": "rope", "disable-bias-linear": True, "num-layers": 4,
+         "eval-interval": 0}  # fmt: skip
+
+
+def _pipeline_tempnet(save_dir) -> dict:
+    """TempNet's tensors from a pipeline checkpoint (the last layer file)."""
+    tag = (save_dir / "latest").read_text()
+    last = sorted((save_dir / tag).glob("layer_*-model_states.pt"))[-1]
+    return torch.load(last, map_location="cpu", weights_only=False)
+
+
+def test_pipeline_llama_matches_one_process_and_resumes_exactly(corpus, tmp_path):
+    one = tmp_path / "pp1.jsonl"
+    _pretrain(1, _args(corpus, tmp_path, **LLAMA, **{"metrics-file": one}))
+    pp = {**LLAMA, "pipeline-model-parallel-size": 2}
+    straight = tmp_path / "straight"
+    _pretrain(2, _args(corpus, tmp_path, **pp, save=straight,
+                       **{"metrics-file": straight / "m.jsonl"}))  # fmt: skip
+    for got, ref in zip(_curve(straight / "m.jsonl"), _curve(one), strict=True):
+        for key in ("loss", "ce_loss", "tau_mean", "grad_norm"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-5), (got["iteration"], key)
+    split = tmp_path / "split"
+    _pretrain(
+        2,
+        _args(
+            corpus,
+            tmp_path,
+            **pp,
+            save=split,
+            **{"exit-interval": 5, "metrics-file": split / "m.jsonl"},
+        ),
+    )
+    _pretrain(2, _args(corpus, tmp_path, **pp, save=split, load=split,
+                       **{"metrics-file": split / "m.jsonl"}))  # fmt: skip
+    resumed, reference = _curve(split / "m.jsonl"), _curve(straight / "m.jsonl")
+    assert [r["iteration"] for r in resumed] == list(range(1, 11))
+    for got, ref in zip(resumed, reference):
+        assert got["loss"] == ref["loss"] and got["tau_mean"] == ref["tau_mean"], got["iteration"]
+    a, b = _pipeline_tempnet(split), _pipeline_tempnet(straight)
+    assert "tempnet.weight1" in a and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_pipeline_finetune_starts_tempnet_on_an_lm_only_checkpoint(corpus, tmp_path):
+    pp = {"pipeline-model-parallel-size": 2, "eval-interval": 0}
+    lm_ckpt = tmp_path / "lm"
+    _pretrain(2, _args(corpus, tmp_path, **pp, loss="ce", **{"tau-source": "fixed"},
+                       save=lm_ckpt, **{"train-iters": 6}))  # fmt: skip
+    tuned, scratch = tmp_path / "tuned.jsonl", tmp_path / "scratch.jsonl"
+    r = _pretrain(2, _args(corpus, tmp_path, **pp, load=lm_ckpt, finetune=True,
+                           **{"train-iters": 2, "metrics-file": tuned}))  # fmt: skip
+    assert "TempNet starts from its initialisation" in r.stdout + r.stderr
+    _pretrain(2, _args(corpus, tmp_path, **pp, **{"train-iters": 2, "metrics-file": scratch}))
+    assert _curve(tuned)[0]["ce_loss"] < _curve(scratch)[0]["ce_loss"] - 0.05  # trained LM
+    other = _pretrain(1, _args(corpus, tmp_path, load=lm_ckpt, finetune=True,
+                               **{"eval-interval": 0}), check=False)  # fmt: skip
+    assert other.returncode == 1 and "was saved with pipeline parallelism" in other.stderr
