@@ -229,6 +229,21 @@ def test_recompute_bf16_and_a_deepspeed_json(corpus, reference_curve, tmp_path):
     assert r.returncode == 1 and "--deepspeed-config" in r.stderr and "no.json" in r.stderr
 
 
+def test_pipeline_with_recompute_and_bf16(corpus, reference_curve, tmp_path):
+    def curve(name, **flags):
+        flags = {"pipeline-model-parallel-size": 2, "metrics-file": tmp_path / name, **flags}
+        _pretrain(2, _args(corpus, tmp_path, **flags))
+        return _curve(tmp_path / name)
+
+    reference = [r["loss"] for r in reference_curve]
+    recompute = curve("recompute.jsonl", **{"recompute-activations": True})
+    assert [r["loss"] for r in recompute] == pytest.approx(reference, rel=1e-6)
+    bf16 = curve("bf16.jsonl", bf16=True)  # DeepSpeed's bf16 optimizer clips and reports
+    assert [r["loss"] for r in bf16] == pytest.approx(reference, rel=3e-2)
+    for got, ref in zip(bf16, reference_curve):
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=3e-2)
+
+
 def test_a_nan_loss_stops_the_run_naming_iteration_and_rank(corpus, tmp_path):
     r = _pretrain(2, _args(corpus, tmp_path, lr=1e30, **{"clip-grad": 0, "zero-stage": 1}),
                   check=False)  # fmt: skip
