@@ -155,11 +155,6 @@ def validate(config: RunConfig, world_size: int) -> None:
             f"--num-layers ({config.model.num_layers}) must be divisible by "
             f"--pipeline-model-parallel-size ({pp})"
         )
-    if pp > 1 and t.freeze_lm:
-        raise ConfigError(
-            f"--freeze-lm runs with --pipeline-model-parallel-size 1 only (got {pp}): use "
-            "tensor and data parallelism for a frozen LM"
-        )
     if tp < 1 or pp < 1 or world_size % (tp * pp):
         raise ConfigError(
             f"the world size ({world_size}) must be a multiple of --tensor-model-parallel-size "

@@ -186,12 +186,16 @@ def build_engine(module: TrainModule, config: RunConfig, world_size: int):
     optimizer = torch.optim.AdamW(
         param_groups(module, opt), betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps
     )
-    pipeline = config.parallel.pipeline_model_parallel_size > 1
+    if config.parallel.pipeline_model_parallel_size > 1:
+        from megatron_tempnet.training.pipeline import initialize_pipeline_engine
+
+        # a pipeline brings DeepSpeed's own grid (the same groups as megatron-core's)
+        return initialize_pipeline_engine(module, optimizer, deepspeed_config(config, world_size))
     engine, optimizer, _, _ = deepspeed.initialize(
         model=module,
         optimizer=optimizer,
         config=deepspeed_config(config, world_size),
-        mpu=None if pipeline else MegatronMPU(),  # a pipeline brings DeepSpeed's own grid
+        mpu=MegatronMPU(),
     )
     if config.parallel.zero_stage == 3 and not config.model.untie_embeddings_and_output_weights:
         # the output layer multiplies by the embedding's (ZeRO-3-partitioned) weight outside

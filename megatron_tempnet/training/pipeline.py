@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.runtime.pipe import schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 
@@ -50,6 +52,12 @@ class GPTPipeline(PipelineModule):
     """
 
     allow_missing_tempnet = False
+    freeze_lm = False  # --freeze-lm: the LM pieces run without a graph (see FrozenLMPipelineEngine)
+
+    def forward(self, forward_input):
+        if self.freeze_lm:  # a received activation asks for gradients that nobody will use
+            forward_input = _detached(forward_input)
+        return super().forward(forward_input)
 
     def add_tempnet_placeholder(self) -> None:
         if not any(isinstance(f, TempNetPiece) for f in self.forward_funcs):
@@ -75,6 +83,32 @@ class GPTPipeline(PipelineModule):
             finally:
                 self.forward_funcs = funcs
         return super().load_state_dir(load_dir, checkpoint_engine, strict)
+
+
+def _detached(x):
+    if isinstance(x, tuple):
+        return tuple(t.detach() if torch.is_tensor(t) else t for t in x)
+    return x.detach()
+
+
+class FrozenLMPipelineEngine(PipelineEngine):
+    """DeepSpeed's pipeline engine for --freeze-lm: forward through every stage, backward on
+    the last stage only (TempNet is the only thing that learns, and its input is detached), so
+    no gradient is computed or sent through the frozen LM."""
+
+    def _exec_last_stage_backward(self, buffer_id):
+        if self.is_last_stage():
+            super()._exec_backward_pass(buffer_id)
+
+    def _exec_nothing(self, buffer_id):
+        pass
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        schedule.BackwardPass: _exec_last_stage_backward,
+        schedule.SendGrad: _exec_nothing,
+        schedule.RecvGrad: _exec_nothing,
+    }
 
 
 class PipelineObjective:
@@ -106,6 +140,24 @@ class PipelineObjective:
         return masked_mean(out.ce, mask, max(float(keep.sum()), 1.0))
 
 
+def initialize_pipeline_engine(module: GPTPipeline, optimizer, ds_config: dict):
+    """``deepspeed.initialize`` for a pipeline, with the frozen-LM engine under --freeze-lm."""
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    if not module.freeze_lm:
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, config=ds_config
+        )
+        return engine, optimizer
+    mpu = module.mpu()  # what deepspeed.initialize does for a PipelineModule
+    engine = FrozenLMPipelineEngine(
+        args=None, model=module, optimizer=optimizer, mpu=mpu, config=ds_config,
+        config_class=DeepSpeedConfig(ds_config, mpu),
+    )  # fmt: skip
+    return engine, engine.optimizer
+
+
 def build_pipeline(config, dtype: torch.dtype) -> GPTPipeline:
     """This rank's stage of the model; the same weights as the one-process model (on CPU)."""
     t, p = config.training, config.parallel
@@ -124,6 +176,13 @@ def build_pipeline(config, dtype: torch.dtype) -> GPTPipeline:
         seed_layers=True, seed_fn=seed_rngs, base_seed=t.seed,
         partition_method="type:TransformerPiece",
     )  # fmt: skip
+    if t.freeze_lm:
+        module.freeze_lm = True
+        for piece in module.forward_funcs:
+            if isinstance(piece, nn.Module) and not isinstance(piece, TempNetPiece):
+                piece.requires_grad_(False)
+        for tied in module.tied_modules.values():
+            tied.requires_grad_(False)
     if config.loss.uses_tempnet:
         module.add_tempnet_placeholder()
     seed_rngs(t.seed)  # dropout streams do not depend on which pieces this stage built

@@ -199,8 +199,6 @@ def test_every_loss_and_tau_source_trains(corpus, tmp_path, loss, source, extra)
         ({"freeze-lm": True, "tau-source": "fixed"}, "--freeze-lm trains TempNet only"),
         ({"loss": "ce"}, "--loss ce does not use tau"),
         ({"pipeline-model-parallel-size": 4}, "--num-layers (2) must be divisible by"),
-        ({"pipeline-model-parallel-size": 2, "freeze-lm": True},
-         "--freeze-lm runs with --pipeline-model-parallel-size 1 only"),
     ],
 )  # fmt: skip
 def test_invalid_flags_fail_before_building_anything(corpus, tmp_path, flags, message):
@@ -384,3 +382,26 @@ def test_pipeline_finetune_starts_tempnet_on_an_lm_only_checkpoint(corpus, tmp_p
     other = _pretrain(1, _args(corpus, tmp_path, load=lm_ckpt, finetune=True,
                                **{"eval-interval": 0}), check=False)  # fmt: skip
     assert other.returncode == 1 and "was saved with pipeline parallelism" in other.stderr
+
+
+def test_pipeline_freeze_lm_trains_tempnet_only(corpus, tmp_path):
+    flags = {"freeze-lm": True, "train-iters": 6, "eval-interval": 0}
+    one = tmp_path / "pp1.jsonl"
+    _pretrain(1, _args(corpus, tmp_path, **flags, **{"metrics-file": one}))
+    pp = {**flags, "pipeline-model-parallel-size": 2}
+    trained, initial = tmp_path / "trained", tmp_path / "initial"
+    _pretrain(2, _args(corpus, tmp_path, **pp, save=trained,
+                       **{"metrics-file": trained / "m.jsonl"}))  # fmt: skip
+    for got, ref in zip(_curve(trained / "m.jsonl"), _curve(one), strict=True):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6), got["iteration"]
+    _pretrain(2, _args(corpus, tmp_path, **{**pp, "train-iters": 1, "lr": 0.0}, save=initial))
+    files = lambda d: sorted((d / (d / "latest").read_text()).glob("layer_*"))  # noqa: E731
+    after, before = files(trained), files(initial)
+    # embeddings, 2 layers, final norm, TempNet (the tied output layer is the embedding's file)
+    assert [f.name for f in after] == [f.name for f in before] and len(after) == 6
+    load = lambda f: torch.load(f, map_location="cpu", weights_only=False)  # noqa: E731
+    for a, b in zip(after[:-1], before[:-1]):  # the LM's pieces: bit-identical
+        sa, sb = load(a), load(b)
+        assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor)), a
+    ta, tb = load(after[-1]), load(before[-1])  # TempNet learned
+    assert any(not torch.equal(ta[k], tb[k]) for k in ta if k.startswith("tempnet."))
