@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from megatron_tempnet.data.indexed import validate_indexed_dataset
+from megatron_tempnet.data.indexed import document_count, validate_indexed_dataset
 from megatron_tempnet.utils.logging import get_logger, warn_rank0
 
 logger = get_logger(__name__)
@@ -133,6 +133,7 @@ def build_gpt_datasets(config: GPTDataConfig, tokenizer, sizes: list[int]) -> li
     split = ",".join(f"{p:g}" for p in parse_split(config.split))
     if config.seq_length < 1:
         raise DataConfigError(f"--seq-length ({config.seq_length}) must be >= 1")
+    _check_split_documents(prefixes, config.split)
     if config.data_cache_path:
         os.makedirs(config.data_cache_path, exist_ok=True)
     gpt_config = GPTDatasetConfig(
@@ -150,6 +151,21 @@ def build_gpt_datasets(config: GPTDataConfig, tokenizer, sizes: list[int]) -> li
     builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gpt_config)
     with _process_group_for_builder():
         return builder.build()
+
+
+def _check_split_documents(prefixes: list[str], split: str) -> None:
+    """Every split with a share gets documents of every dataset (megatron-core loops forever
+    building a split that has none). Same rounding as megatron-core."""
+    parts = parse_split(split)
+    bounds = [sum(parts[:i]) / sum(parts) for i in range(4)]
+    for prefix in prefixes:
+        n = document_count(prefix)
+        for i, name in enumerate(("train", "validation", "test")):
+            if parts[i] > 0 and round(bounds[i + 1] * n) <= round(bounds[i] * n):
+                raise DataConfigError(
+                    f"--split {split}: the {name} split of {prefix} gets none of its {n} "
+                    "documents: give that split a larger share, or 0 for no such split"
+                )
 
 
 @contextlib.contextmanager

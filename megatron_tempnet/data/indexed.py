@@ -195,6 +195,11 @@ def _read_preamble(idx_path: str) -> tuple[type[np.number], int, int]:
     return _CODE_DTYPES[code], n_seq, n_doc
 
 
+def document_count(prefix: str) -> int:
+    """Documents in ``prefix.idx`` (its header only)."""
+    return _read_preamble(f"{prefix}.idx")[2] - 1  # the document index starts with a 0
+
+
 def _index_arrays(prefix: str, n_seq: int, n_documents: int):
     """Memory-mapped (lengths, pointers, document indices [n_documents + 1]) of an index."""
     idx = np.memmap(f"{prefix}.idx", mode="r", dtype=np.uint8)

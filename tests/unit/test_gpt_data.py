@@ -130,6 +130,18 @@ def test_data_path_and_split_errors(corpus, tmp_path):
             parse_split(bad)
 
 
+def test_a_split_without_documents_is_an_error_not_a_hang(corpus, tmp_path):
+    # B has 60 documents: 1/1000 of them rounds to none (megatron-core would loop forever)
+    config = GPTDataConfig(data_path=[corpus["prefix"]["B"]], split="949,50,1", seq_length=SEQ,
+                           data_cache_path=str(tmp_path / "cache"))  # fmt: skip
+    with pytest.raises(DataConfigError, match=r"--split 949,50,1: the test split of "
+                       r".*B_text_document gets none of its 60 documents"):  # fmt: skip
+        build_gpt_datasets(config, corpus["tokenizer"], [16, 16, 0])
+    config.split = "949,50,0"
+    train, valid, test = build_gpt_datasets(config, corpus["tokenizer"], [16, 16, 0])
+    assert len(train) >= 16 and len(valid) >= 16 and test is None
+
+
 def test_sampler_slices_global_batches_across_data_parallel_ranks():
     one = list(PretrainingSampler(100, 10, micro_batch_size=6, data_parallel_rank=0,
                                   data_parallel_size=1))  # fmt: skip
