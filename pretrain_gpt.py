@@ -33,8 +33,7 @@ USER_ERRORS = (ConfigError, ModelConfigError, LossConfigError, TrainingError, Ch
 
 def main(argv: list[str] | None = None) -> int:
     config = config_from_args(build_parser().parse_args(argv))
-    pretrain(config)
-    return 0
+    return pretrain(config).exit_code
 
 
 if __name__ == "__main__":

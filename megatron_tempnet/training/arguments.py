@@ -86,6 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--exit-interval", type=int, default=0)
+    g.add_argument(
+        "--exit-duration-in-mins",
+        type=float,
+        default=0.0,
+        help="after this many minutes: checkpoint and exit with status 75 (requeue)",
+    )
+    g.add_argument(
+        "--pretrained-checkpoint",
+        help="weights to start from while --load holds no checkpoint (then resumes)",
+    )
     g.add_argument("--keep-last", type=int, default=0)
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--tensorboard-dir")
@@ -139,6 +149,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             save=args.save, save_interval=args.save_interval, load=args.load,
             finetune=args.finetune, no_load_optim=args.no_load_optim,
             exit_interval=args.exit_interval, keep_last=args.keep_last,
+            exit_duration_in_mins=args.exit_duration_in_mins,
+            pretrained_checkpoint=args.pretrained_checkpoint,
         ),
         logging=LoggingConfig(log_interval=args.log_interval,
                               tensorboard_dir=args.tensorboard_dir,

@@ -82,23 +82,25 @@ def latest_tag(load_dir: str) -> str | None:
         return f.read().strip() or None
 
 
-def load_checkpoint(engine, load_dir: str, *, weights_only: bool, load_optimizer: bool):
+def load_checkpoint(
+    engine, load_dir: str, *, weights_only: bool, load_optimizer: bool, flag: str | None = None
+):
     """Restore the newest checkpoint; returns its client state (None when there is none).
 
-    ``weights_only`` (--finetune) loads the model and nothing else: the caller starts at
-    iteration 0 with fresh data position and optimizer.
+    ``weights_only`` (--finetune, --pretrained-checkpoint) loads the model and nothing else: the
+    caller starts at iteration 0 with fresh data position and optimizer. ``flag`` names the
+    directory's flag in errors.
     """
+    source = f"{flag or ('--finetune --load' if weights_only else '--load')} {load_dir}"
     tag = latest_tag(load_dir)
     if tag is None:
         if weights_only:
-            raise CheckpointError(
-                f"--finetune --load {load_dir}: no checkpoint there (no 'latest')"
-            )
+            raise CheckpointError(f"{source}: no checkpoint there (no 'latest')")
         log_rank0("no checkpoint in %s: starting from scratch", load_dir)
         return None
-    _check_layout(engine, load_dir, tag)
+    _check_layout(engine, load_dir, tag, source)
     if weights_only:
-        _check_finetune_source(engine, load_dir, tag)
+        _check_finetune_source(engine, load_dir, tag, source)
     if hasattr(engine.module, "allow_missing_tempnet"):  # a pipeline stage
         engine.module.allow_missing_tempnet = weights_only
     path, client_state = engine.load_checkpoint(
@@ -110,7 +112,7 @@ def load_checkpoint(engine, load_dir: str, *, weights_only: bool, load_optimizer
         load_lr_scheduler_states=False,
     )
     if path is None:
-        raise CheckpointError(f"--load {load_dir}: checkpoint {tag} could not be read")
+        raise CheckpointError(f"{source}: checkpoint {tag} could not be read")
     if weights_only:
         log_rank0("loaded weights from %s (--finetune)", path)
         return None
@@ -121,7 +123,7 @@ def load_checkpoint(engine, load_dir: str, *, weights_only: bool, load_optimizer
     return client_state
 
 
-def _check_layout(engine, load_dir: str, tag: str) -> None:
+def _check_layout(engine, load_dir: str, tag: str, source: str) -> None:
     """A pipeline checkpoint (one file per layer) loads into a pipeline run only, and back."""
     saved_pipeline = bool(glob.glob(os.path.join(load_dir, tag, "layer_*-model_states.pt")))
     running_pipeline = hasattr(engine.module, "ckpt_layer_path_list")
@@ -129,22 +131,22 @@ def _check_layout(engine, load_dir: str, tag: str) -> None:
         saved = "with" if saved_pipeline else "without"
         flag = "1" if not running_pipeline else "> 1"
         raise CheckpointError(
-            f"--load {load_dir}: {tag} was saved {saved} pipeline parallelism and this run has "
+            f"{source}: {tag} was saved {saved} pipeline parallelism and this run has "
             f"--pipeline-model-parallel-size {flag}: load it with the layout it was saved with"
         )
 
 
-def _check_finetune_source(engine, load_dir: str, tag: str) -> None:
+def _check_finetune_source(engine, load_dir: str, tag: str, source: str) -> None:
     """--finetune may start TempNet fresh (an LM-only checkpoint), but never the LM."""
     from megatron.core import parallel_state
 
     if hasattr(engine.module, "ckpt_layer_path_list"):
-        return _check_pipeline_source(engine.module, load_dir, tag)
+        return _check_pipeline_source(engine.module, load_dir, tag, source)
 
     rank = parallel_state.get_tensor_model_parallel_rank()
     path = os.path.join(load_dir, tag, f"mp_rank_{rank:02d}_model_states.pt")
     if not os.path.isfile(path):
-        raise CheckpointError(f"--finetune --load {load_dir}: {path} is missing")
+        raise CheckpointError(f"{source}: {path} is missing")
     saved = torch.load(path, map_location="cpu", weights_only=False).get("module") or {}
     if not saved:  # ZeRO-3 keeps the weights in its partition files: nothing to compare here
         return
@@ -152,14 +154,14 @@ def _check_finetune_source(engine, load_dir: str, tag: str) -> None:
     lm_missing = [k for k in missing if not k.startswith("tempnet.")]
     if lm_missing:
         raise CheckpointError(
-            f"--finetune --load {load_dir}: {path} lacks {len(lm_missing)} language-model "
+            f"{source}: {path} lacks {len(lm_missing)} language-model "
             f"tensors (e.g. {lm_missing[0]}): a checkpoint of another architecture?"
         )
     if missing:
         log_rank0("TempNet starts from its initialisation: %s has no TempNet", path)
 
 
-def _check_pipeline_source(module, load_dir: str, tag: str) -> None:
+def _check_pipeline_source(module, load_dir: str, tag: str, source: str) -> None:
     """Every language-model piece of this stage has its layer file in the checkpoint."""
     from megatron_tempnet.training.pipeline import TempNetPiece
 
@@ -169,7 +171,7 @@ def _check_pipeline_source(module, load_dir: str, tag: str) -> None:
             continue
         if not module.ckpt_layer_path_list(directory, local):
             raise CheckpointError(
-                f"--finetune --load {load_dir}: {tag} has no file for pipeline layer "
+                f"{source}: {tag} has no file for pipeline layer "
                 f"{local + module._local_start}: a checkpoint of another "
                 "--pipeline-model-parallel-size or architecture?"
             )

@@ -101,6 +101,10 @@ class CheckpointConfig:
     """--no-load-optim: do not restore the optimizer state."""
     exit_interval: int = 0
     """--exit-interval N: save and exit cleanly after iteration N."""
+    exit_duration_in_mins: float = 0.0
+    """--exit-duration-in-mins: after this many minutes, save and exit with status 75 (requeue)."""
+    pretrained_checkpoint: str | None = None
+    """--pretrained-checkpoint: weights to start from when --load holds no checkpoint yet."""
     keep_last: int = 0
     """--keep-last N: delete older checkpoints, keeping the newest N (0 = keep all)."""
 
@@ -190,12 +194,30 @@ def validate(config: RunConfig, world_size: int) -> None:
         )
     if t.freeze_lm and not config.loss.stop_grad:
         raise ConfigError("--freeze-lm and --no-tempnet-stop-grad contradict each other")
-    if config.checkpoint.exit_interval and not config.checkpoint.save:
-        raise ConfigError("--exit-interval saves a checkpoint before exiting: give --save")
+    _validate_checkpointing(config.checkpoint)
     config.loss.validate()
     config.model.validate(tp)
     if config.model.seq_length != config.data.seq_length:
         raise ConfigError(
             f"the model's --seq-length ({config.model.seq_length}) and the data's "
             f"({config.data.seq_length}) differ"
+        )
+
+
+def _validate_checkpointing(ckpt: CheckpointConfig) -> None:
+    if ckpt.exit_interval and not ckpt.save:
+        raise ConfigError("--exit-interval saves a checkpoint before exiting: give --save")
+    if ckpt.exit_duration_in_mins < 0:
+        raise ConfigError(f"--exit-duration-in-mins ({ckpt.exit_duration_in_mins:g}) must be >= 0")
+    if ckpt.exit_duration_in_mins and not ckpt.save:
+        raise ConfigError("--exit-duration-in-mins saves a checkpoint before exiting: give --save")
+    if ckpt.pretrained_checkpoint and ckpt.finetune:
+        raise ConfigError(
+            "--pretrained-checkpoint and --finetune both choose the starting weights: "
+            "use --pretrained-checkpoint DIR with --load/--save RUN_DIR (resumes when requeued)"
+        )
+    if ckpt.pretrained_checkpoint and not ckpt.load:
+        raise ConfigError(
+            f"--pretrained-checkpoint {ckpt.pretrained_checkpoint} is used only while --load "
+            "holds no checkpoint: give --load (usually the same directory as --save)"
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from functools import partial
 
 import torch.distributed as dist
@@ -18,7 +19,7 @@ from megatron_tempnet.data.gpt_data import (
 )
 from megatron_tempnet.data.tokenizers import build_tokenizer
 from megatron_tempnet.distributed.launch import launch_environment
-from megatron_tempnet.training.checkpoint import load_checkpoint, save_checkpoint
+from megatron_tempnet.training.checkpoint import latest_tag, load_checkpoint, save_checkpoint
 from megatron_tempnet.training.config import RunConfig, validate
 from megatron_tempnet.training.engine import (
     build_engine,
@@ -28,12 +29,28 @@ from megatron_tempnet.training.engine import (
     set_learning_rates,
 )
 from megatron_tempnet.training.metrics import RunLogger, memory_mb
-from megatron_tempnet.training.step import check_finite, evaluate, train_step
+from megatron_tempnet.training.preemption import EXIT_REQUEUE, StopRequests
+from megatron_tempnet.training.step import check_finite, compute_device, evaluate, train_step
 from megatron_tempnet.utils.logging import log_rank0
 
 
-def pretrain(config: RunConfig) -> dict:
-    """Train as configured; returns the last logged metrics."""
+@dataclass
+class RunResult:
+    metrics: dict
+    """The last logged metrics."""
+    iteration: int
+    """The last iteration run."""
+    stopped: str | None = None
+    """Why the run stopped early at a checkpoint (a signal, the time budget), else None."""
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_REQUEUE if self.stopped else 0
+
+
+def pretrain(config: RunConfig) -> RunResult:
+    """Train as configured, or until a stop request (a checkpoint is written, then it returns)."""
+    requests = StopRequests(config.checkpoint.exit_duration_in_mins)
     os.environ.update(launch_environment(os.environ))  # torchrun, srun, or a lone process
     world_size = int(os.environ["WORLD_SIZE"])
     tokenizer = build_tokenizer(**config.tokenizer)
@@ -61,9 +78,12 @@ def pretrain(config: RunConfig) -> dict:
     gas = config.gradient_accumulation_steps(world_size)
     run_log = RunLogger(config.logging)
     step = _step_function(engine, optimizer, config, dp_group)
-    last: dict = {}
+    if ckpt.save:  # without somewhere to save, a signal keeps its usual meaning
+        requests.install()
+    result = RunResult({}, start)
     tic, tokens_since = time.perf_counter(), 0.0
     for iteration in range(start + 1, t.train_iters + 1):
+        result.iteration = iteration
         lr = set_learning_rates(optimizer, iteration - 1, config.optimizer)
         batches = [next(loader) for _ in range(gas)]
         stats, grad_norm = step(batches)
@@ -71,22 +91,32 @@ def pretrain(config: RunConfig) -> dict:
         tokens_since += stats.tokens
         if iteration % config.logging.log_interval == 0 or iteration == t.train_iters:
             throughput = tokens_since / max(time.perf_counter() - tic, 1e-9)
-            last = {**stats.metrics(), "lr": lr, "grad_norm": grad_norm,
-                    "tokens_per_sec": throughput, "memory_mb": memory_mb(),
-                    "consumed_samples": loader.state().consumed_samples}  # fmt: skip
-            run_log.log(iteration, last, stats.tau_sample)
+            result.metrics = {**stats.metrics(), "lr": lr, "grad_norm": grad_norm,
+                              "tokens_per_sec": throughput, "memory_mb": memory_mb(),
+                              "consumed_samples": loader.state().consumed_samples}  # fmt: skip
+            run_log.log(iteration, result.metrics, stats.tau_sample)
             tic, tokens_since = time.perf_counter(), 0.0
         if valid_ds is not None and t.eval_interval and iteration % t.eval_interval == 0:
             run_log.log(iteration, _validate(engine, valid_ds, config, world_size, dp_group))
-        if ckpt.save and _should_save(iteration, config):
+        if ckpt.save and iteration < t.train_iters:  # collective: all ranks stop together
+            result.stopped = requests.agreed(compute_device())
+        if ckpt.save and (result.stopped or _should_save(iteration, config)):
             save_checkpoint(engine, ckpt.save, iteration, _client_state(config, loader),
                             ckpt.keep_last)  # fmt: skip
+        if result.stopped:
+            log_rank0("%s: stopped after iteration %d at a checkpoint; exit status %d asks for "
+                      "a requeue", result.stopped, iteration, EXIT_REQUEUE)  # fmt: skip
+            break
         if ckpt.exit_interval and iteration == ckpt.exit_interval:
             log_rank0("--exit-interval %d reached: exiting", iteration)
             break
+    if not result.stopped:
+        # a stopped run keeps ignoring SIGTERM until it exits: srun --kill-on-bad-exit sends it
+        # to the ranks still shutting down when the first one exits with EXIT_REQUEUE
+        requests.restore()
     run_log.close()
     dist.barrier()
-    return last
+    return result
 
 
 def _step_function(engine, optimizer, config: RunConfig, dp_group):
@@ -107,7 +137,12 @@ def _resume(engine, config: RunConfig, train_ds) -> tuple[int, DataState]:
     """The iteration and data position to start from (0 and the start without --load)."""
     ckpt = config.checkpoint
     start, data_state = 0, DataState(0, dataset_fingerprint(train_ds))
-    if ckpt.load:
+    if ckpt.pretrained_checkpoint and latest_tag(ckpt.load) is None:
+        log_rank0("no checkpoint in --load %s yet: starting from --pretrained-checkpoint %s",
+                  ckpt.load, ckpt.pretrained_checkpoint)  # fmt: skip
+        load_checkpoint(engine, ckpt.pretrained_checkpoint, weights_only=True,
+                        load_optimizer=False, flag="--pretrained-checkpoint")  # fmt: skip
+    elif ckpt.load:
         client = load_checkpoint(engine, ckpt.load, weights_only=ckpt.finetune,
                                  load_optimizer=not ckpt.no_load_optim)  # fmt: skip
         if client is not None:

@@ -98,11 +98,7 @@ def test_parallel_layouts_give_the_same_loss_curve(corpus, reference_curve, tmp_
 
 
 def _tempnet_state(save_dir) -> dict:
-    with open(os.path.join(save_dir, "latest")) as f:
-        tag = f.read().strip()
-    state = torch.load(os.path.join(save_dir, tag, "mp_rank_00_model_states.pt"),
-                       map_location="cpu", weights_only=False)  # fmt: skip
-    return {k: v for k, v in state["module"].items() if k.startswith("tempnet.")}
+    return {k: v for k, v in _module(save_dir).items() if k.startswith("tempnet.")}
 
 
 def test_resume_is_exact_and_survives_a_crashed_save(corpus, tmp_path):
@@ -199,6 +195,11 @@ def test_every_loss_and_tau_source_trains(corpus, tmp_path, loss, source, extra)
         ({"freeze-lm": True, "tau-source": "fixed"}, "--freeze-lm trains TempNet only"),
         ({"loss": "ce"}, "--loss ce does not use tau"),
         ({"pipeline-model-parallel-size": 4}, "--num-layers (2) must be divisible by"),
+        ({"exit-duration-in-mins": 5}, "--exit-duration-in-mins saves a checkpoint"),
+        ({"exit-duration-in-mins": -1, "save": "s"}, "--exit-duration-in-mins (-1) must be >= 0"),
+        ({"pretrained-checkpoint": "p"}, "--pretrained-checkpoint p is used only while --load"),
+        ({"pretrained-checkpoint": "p", "load": "r", "finetune": True},
+         "--pretrained-checkpoint and --finetune both choose"),
     ],
 )  # fmt: skip
 def test_invalid_flags_fail_before_building_anything(corpus, tmp_path, flags, message):
@@ -405,3 +406,38 @@ def test_pipeline_freeze_lm_trains_tempnet_only(corpus, tmp_path):
         assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor)), a
     ta, tb = load(after[-1]), load(before[-1])  # TempNet learned
     assert any(not torch.equal(ta[k], tb[k]) for k in ta if k.startswith("tempnet."))
+
+
+def test_time_budget_stops_at_a_checkpoint_and_pretrained_weights_seed_the_run(corpus, tmp_path):
+    """--exit-duration-in-mins: checkpoint, exit status 75; the same command again resumes.
+    --pretrained-checkpoint seeds only a run whose --load holds nothing yet."""
+    pretrained, run = tmp_path / "pretrained", tmp_path / "run"
+    _pretrain(0, _args(corpus, tmp_path, save=pretrained, loss="ce", **{"tau-source": "fixed",
+                       "train-iters": 2}))  # fmt: skip
+    flags = {"pretrained-checkpoint": pretrained, "load": run, "save": run, "train-iters": 4,
+             "metrics-file": run / "m.jsonl"}  # fmt: skip
+    first = _pretrain(0, _args(corpus, tmp_path, **flags, **{"exit-duration-in-mins": 1e-6}),
+                      check=False)  # fmt: skip
+    assert first.returncode == 75, first.stderr[-3000:]
+    assert f"starting from --pretrained-checkpoint {pretrained}" in first.stderr
+    assert "--exit-duration-in-mins 1e-06 reached: stopped after iteration 1" in first.stderr
+    assert open(run / "latest").read() == "iter_0000001"
+    lm = {k: v for k, v in _module(pretrained).items() if not k.startswith("tempnet.")}
+    second = _pretrain(0, _args(corpus, tmp_path, **flags))
+    assert f"resumed from {run / 'iter_0000001'}" in second.stderr
+    assert "--pretrained-checkpoint" not in second.stderr
+    assert [r["iteration"] for r in _curve(run / "m.jsonl")] == [1, 2, 3, 4]
+    # the first iteration ran on the pretrained LM: its weights are the pretrained ones until
+    # the first update, so a fresh run's first loss differs
+    fresh = tmp_path / "fresh.jsonl"
+    _pretrain(0, _args(corpus, tmp_path, **{"train-iters": 1, "metrics-file": fresh}))
+    assert _curve(run / "m.jsonl")[0]["ce_loss"] != _curve(fresh)[0]["ce_loss"]
+    assert lm and not all(torch.equal(lm[k], _module(run)[k]) for k in lm)  # then it trained
+
+
+def _module(save_dir) -> dict:
+    with open(os.path.join(save_dir, "latest")) as f:
+        tag = f.read().strip()
+    state = torch.load(os.path.join(save_dir, tag, "mp_rank_00_model_states.pt"),
+                       map_location="cpu", weights_only=False)["module"]  # fmt: skip
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
