@@ -1,0 +1,76 @@
+# Shared by the sbatch scripts in examples/ (sourced, not run): where the code is, which device,
+# and an srun launch that turns a preemption into a requeue.
+#
+# pretrain_gpt.py exits with status 75 when it stopped early at a checkpoint (SIGUSR1 or SIGTERM,
+# or --exit-duration-in-mins); tempnet_launch then requeues the job, and the requeued job resumes
+# from the checkpoint directory's `latest`.
+
+EXIT_REQUEUE=75
+
+die() {
+    echo "error: $*" >&2
+    exit 2
+}
+
+# Variables every script understands (defaults in brackets):
+#   REPO            [the directory sbatch was run from] the megatron-tempnet checkout
+#   PYTHON          [$REPO/.venv/bin/python if present, else python3]
+#   DEVICE          [gpu] gpu or cpu (cpu: gloo, DS_ACCELERATOR=cpu, one thread per task)
+#   NPROC_PER_NODE  [tasks per node of the allocation] one task (rank) per GPU
+tempnet_init() {
+    [ -n "${SLURM_JOB_ID:-}" ] || die "submit this script with sbatch (SLURM_JOB_ID is not set)"
+    [ -f "$REPO/pretrain_gpt.py" ] || die "REPO=$REPO holds no pretrain_gpt.py: submit from the repository root or set REPO"
+    if [ -z "${PYTHON:-}" ]; then
+        PYTHON=python3
+        [ -x "$REPO/.venv/bin/python" ] && PYTHON=$REPO/.venv/bin/python
+    fi
+    NODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+    NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_NTASKS_PER_NODE:-8}}
+    NPROC_PER_NODE=${NPROC_PER_NODE%%(*}
+    DEVICE=${DEVICE:-gpu}
+    case $DEVICE in
+        gpu) ;;
+        cpu) export DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} ;;
+        *) die "DEVICE=$DEVICE: use gpu or cpu" ;;
+    esac
+    echo "job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}): ${NODES} node(s) x ${NPROC_PER_NODE} tasks on ${DEVICE}"
+}
+
+# tempnet_launch FLAGS...: pretrain_gpt.py FLAGS on every task of the allocation (srun sets each
+# task's rank; the rendezvous is the first node). A signal sent to the batch shell only
+# (--signal=B:USR1@...) is passed on to the tasks. Returns pretrain_gpt.py's status; on 75 the
+# job is requeued first.
+tempnet_launch() {
+    srun --nodes="$NODES" --ntasks-per-node="$NPROC_PER_NODE" \
+        --ntasks=$((NODES * NPROC_PER_NODE)) --kill-on-bad-exit=1 \
+        "$PYTHON" "$REPO/pretrain_gpt.py" "$@" &
+    local pid=$! status
+    trap 'kill -USR1 $pid 2>/dev/null' USR1
+    trap 'kill -TERM $pid 2>/dev/null' TERM
+    while :; do
+        wait "$pid"
+        status=$?
+        kill -0 "$pid" 2>/dev/null || break # still running: a trapped signal cut the wait short
+    done
+    trap - USR1 TERM
+    if [ "$status" -eq "$EXIT_REQUEUE" ]; then
+        echo "stopped early at a checkpoint: requeueing job ${SLURM_JOB_ID}"
+        scontrol requeue "$SLURM_JOB_ID"
+    fi
+    return "$status"
+}
+
+# Flags every run gets: checkpoints under RUN_DIR (resumed from automatically), TensorBoard, the
+# metrics file. Sets the array RUN_FLAGS.
+#   RUN_DIR         the run's directory: checkpoints/, tensorboard/, metrics.jsonl
+#   SAVE_INTERVAL   [500] iterations between checkpoints (and one on every preemption)
+#   LOG_INTERVAL    [10]
+tempnet_run_flags() {
+    mkdir -p "$RUN_DIR"
+    RUN_FLAGS=(
+        --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints"
+        --save-interval "${SAVE_INTERVAL:-500}" --keep-last 2
+        --tensorboard-dir "$RUN_DIR/tensorboard" --metrics-file "$RUN_DIR/metrics.jsonl"
+        --log-interval "${LOG_INTERVAL:-10}"
+    )
+}

@@ -1,0 +1,65 @@
+#!/bin/bash
+# TempNet for a frozen LLaMA-2-70B-chat, trained on OpenWebText2 with the KL-DRO loss: the paper's
+# Table 1 recipe (setting iii; Table 5, column "Fixing LLaMA2 Chat", 20k iterations).
+#
+#   sbatch examples/run_llama70b_tempnet.sh                     # 1 node: TP 8
+#   PP=2 sbatch --nodes=8 examples/run_llama70b_tempnet.sh      # TP 8 per node, PP 2, DP 4
+#
+# TP stays within a node; PP and DP span nodes: DP = nodes x NPROC_PER_NODE / (TP x PP).
+# Preemption-safe: on SIGUSR1 (sent 5 minutes before the time limit, --signal below) or SIGTERM
+# the run checkpoints, the job requeues itself and resumes from RUN_DIR/checkpoints/latest.
+#
+# Environment (defaults in brackets), plus REPO, PYTHON, DEVICE, NPROC_PER_NODE, SAVE_INTERVAL and
+# LOG_INTERVAL from examples/lib/slurm.sh:
+#   LM_CHECKPOINT   [checkpoints/llama2-70b-chat] the frozen LM as a checkpoint of this project,
+#                   saved with the same TP and PP; loaded once, before the first iteration
+#   TOKENIZER_MODEL [$LM_CHECKPOINT/tokenizer.model] LLaMA-2's SentencePiece model
+#   DATA_PATH       [data/owt2_llama2_text_document] OpenWebText2 from tools/preprocess_data.py
+#   SPLIT           [949,50,1] train, validation, test shares
+#   RUN_DIR         [runs/llama70b_tempnet] checkpoints/ (TempNet, optimizer, data position),
+#                   tensorboard/, metrics.jsonl
+#   MODEL           [llama2-70b] a --model preset (tiny for a CPU test)
+#   TP [8]  PP [1]  TRAIN_ITERS [20000]  GLOBAL_BATCH [16]  MICRO_BATCH [1]
+#   SEQ_LENGTH      [the preset's: 4096]
+#   EXTRA_ARGS      more pretrain_gpt.py flags (word-split)
+#
+#SBATCH --job-name=llama70b-tempnet
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=12
+#SBATCH --time=24:00:00
+#SBATCH --signal=USR1@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=%x-%j.out
+
+set -u
+REPO=${REPO:-${SLURM_SUBMIT_DIR:-$PWD}}
+source "$REPO/examples/lib/slurm.sh" || { echo "error: no $REPO/examples/lib/slurm.sh: submit from the repository root or set REPO" >&2; exit 2; }
+tempnet_init
+
+LM_CHECKPOINT=${LM_CHECKPOINT:-checkpoints/llama2-70b-chat}
+RUN_DIR=${RUN_DIR:-runs/llama70b_tempnet}
+tempnet_run_flags
+
+FLAGS=(
+    --model "${MODEL:-llama2-70b}" --bf16
+    --tensor-model-parallel-size "${TP:-8}" --pipeline-model-parallel-size "${PP:-1}"
+    --tokenizer-type SentencePieceTokenizer
+    --tokenizer-model "${TOKENIZER_MODEL:-$LM_CHECKPOINT/tokenizer.model}"
+    --data-path "${DATA_PATH:-data/owt2_llama2_text_document}" --split "${SPLIT:-949,50,1}"
+    --pretrained-checkpoint "$LM_CHECKPOINT" --freeze-lm
+    --loss dro --tau-source tempnet --tempnet-rho 10
+    --tempnet-tau-min 0.001 --tempnet-tau-max 2.0
+    --tempnet-hidden-size 256 --tempnet-proj-size 256
+    --train-iters "${TRAIN_ITERS:-20000}" --global-batch-size "${GLOBAL_BATCH:-16}"
+    --micro-batch-size "${MICRO_BATCH:-1}"
+    --lr 1e-4 --min-lr 0 --lr-warmup-fraction 0.01 --weight-decay 0.01
+    --adam-beta1 0.9 --adam-beta2 0.999 --adam-eps 1e-8 --clip-grad 1.0
+    --eval-interval 1000 --eval-iters 10
+)
+[ -n "${SEQ_LENGTH:-}" ] && FLAGS+=(--seq-length "$SEQ_LENGTH")
+
+# shellcheck disable=SC2086  # EXTRA_ARGS is a list of flags
+tempnet_launch "${FLAGS[@]}" "${RUN_FLAGS[@]}" ${EXTRA_ARGS:-}
