@@ -6,6 +6,10 @@ resolved config; every rank adds its own RNG states (``rng_rank{r}.pt``). The le
 function of the iteration, so it needs no state. ``SAVE/latest`` names the newest complete
 checkpoint: it is replaced atomically only after every rank has finished writing, so a crash
 during a save leaves the previous checkpoint as ``latest``.
+
+A frozen-LM run seeded by ``--pretrained-checkpoint`` saves what it trains only (TempNet, its
+optimizer, RNG and data position; ``exclude_frozen``): the LM is read again from the pretrained
+checkpoint on resume. Such a checkpoint carries a ``FROZEN_LM_EXCLUDED`` file saying so.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch.distributed as dist
 from megatron_tempnet.utils.logging import log_rank0
 
 LATEST = "latest"
+FROZEN_LM_EXCLUDED = "FROZEN_LM_EXCLUDED"
 
 
 class CheckpointError(RuntimeError):
@@ -48,12 +53,23 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, keep_last: int):
-    """Save on every rank (collective); publish ``latest`` when all ranks are done."""
+def save_checkpoint(
+    engine, save_dir: str, iteration: int, client_state: dict, keep_last: int,
+    exclude_frozen: bool = False,
+):  # fmt: skip
+    """Save on every rank (collective); publish ``latest`` when all ranks are done.
+
+    ``exclude_frozen``: leave out parameters that do not train (the frozen LM).
+    """
     tag = tag_for(iteration)
     state = dict(client_state, iteration=iteration)
-    engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False)
+    engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False,
+                           exclude_frozen_parameters=exclude_frozen)  # fmt: skip
     torch.save(_rng_state(), os.path.join(save_dir, tag, f"rng_rank{dist.get_rank()}.pt"))
+    if exclude_frozen and dist.get_rank() == 0:
+        with open(os.path.join(save_dir, tag, FROZEN_LM_EXCLUDED), "w") as f:
+            f.write("This checkpoint holds TempNet, not the frozen LM: resume it with "
+                    "--freeze-lm --pretrained-checkpoint <the LM's checkpoint>.\n")  # fmt: skip
     dist.barrier()
     if dist.get_rank() == 0:
         tmp = os.path.join(save_dir, LATEST + ".tmp")
@@ -83,13 +99,15 @@ def latest_tag(load_dir: str) -> str | None:
 
 
 def load_checkpoint(
-    engine, load_dir: str, *, weights_only: bool, load_optimizer: bool, flag: str | None = None
-):
+    engine, load_dir: str, *, weights_only: bool, load_optimizer: bool, flag: str | None = None,
+    lm_loaded: bool = False,
+):  # fmt: skip
     """Restore the newest checkpoint; returns its client state (None when there is none).
 
     ``weights_only`` (--finetune, --pretrained-checkpoint) loads the model and nothing else: the
     caller starts at iteration 0 with fresh data position and optimizer. ``flag`` names the
-    directory's flag in errors.
+    directory's flag in errors. ``lm_loaded``: the frozen LM is already in place, so a
+    checkpoint without it (``FROZEN_LM_EXCLUDED``) may be resumed.
     """
     source = f"{flag or ('--finetune --load' if weights_only else '--load')} {load_dir}"
     tag = latest_tag(load_dir)
@@ -99,6 +117,12 @@ def load_checkpoint(
         log_rank0("no checkpoint in %s: starting from scratch", load_dir)
         return None
     _check_layout(engine, load_dir, tag, source)
+    lm_excluded = os.path.exists(os.path.join(load_dir, tag, FROZEN_LM_EXCLUDED))
+    if lm_excluded and not lm_loaded:
+        raise CheckpointError(
+            f"{source}: {tag} holds TempNet without the frozen LM: resume it with --freeze-lm "
+            "--pretrained-checkpoint <the LM's checkpoint> (as the run that saved it)"
+        )
     if weights_only:
         _check_finetune_source(engine, load_dir, tag, source)
     if hasattr(engine.module, "allow_missing_tempnet"):  # a pipeline stage
@@ -106,7 +130,8 @@ def load_checkpoint(
     path, client_state = engine.load_checkpoint(
         load_dir,
         tag=tag,
-        load_module_strict=not weights_only,  # an LM-only checkpoint may lack TempNet
+        # an LM-only checkpoint may lack TempNet, a frozen-LM one the LM
+        load_module_strict=not (weights_only or lm_excluded),
         load_module_only=weights_only,
         load_optimizer_states=load_optimizer and not weights_only,
         load_lr_scheduler_states=False,

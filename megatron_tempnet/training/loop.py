@@ -102,7 +102,7 @@ def pretrain(config: RunConfig) -> RunResult:
             result.stopped = requests.agreed(compute_device())
         if ckpt.save and (result.stopped or _should_save(iteration, config)):
             save_checkpoint(engine, ckpt.save, iteration, _client_state(config, loader),
-                            ckpt.keep_last)  # fmt: skip
+                            ckpt.keep_last, exclude_frozen=_frozen_lm_excluded(config))  # fmt: skip
         if result.stopped:
             log_rank0("%s: stopped after iteration %d at a checkpoint; exit status %d asks for "
                       "a requeue", result.stopped, iteration, EXIT_REQUEUE)  # fmt: skip
@@ -137,18 +137,30 @@ def _resume(engine, config: RunConfig, train_ds) -> tuple[int, DataState]:
     """The iteration and data position to start from (0 and the start without --load)."""
     ckpt = config.checkpoint
     start, data_state = 0, DataState(0, dataset_fingerprint(train_ds))
-    if ckpt.pretrained_checkpoint and latest_tag(ckpt.load) is None:
-        log_rank0("no checkpoint in --load %s yet: starting from --pretrained-checkpoint %s",
-                  ckpt.load, ckpt.pretrained_checkpoint)  # fmt: skip
+    fresh = ckpt.load and latest_tag(ckpt.load) is None
+    if ckpt.pretrained_checkpoint and (fresh or _frozen_lm_excluded(config)):
+        # a fresh run starts from these weights; a frozen-LM run re-reads its LM every time
+        log_rank0("%s: loading --pretrained-checkpoint %s",
+                  "no checkpoint in --load yet" if fresh else "the frozen LM",
+                  ckpt.pretrained_checkpoint)  # fmt: skip
         load_checkpoint(engine, ckpt.pretrained_checkpoint, weights_only=True,
                         load_optimizer=False, flag="--pretrained-checkpoint")  # fmt: skip
-    elif ckpt.load:
+    if ckpt.load and not (fresh and ckpt.pretrained_checkpoint):
         client = load_checkpoint(engine, ckpt.load, weights_only=ckpt.finetune,
-                                 load_optimizer=not ckpt.no_load_optim)  # fmt: skip
+                                 load_optimizer=not ckpt.no_load_optim,
+                                 lm_loaded=_frozen_lm_excluded(config))  # fmt: skip
         if client is not None:
             start = int(client["iteration"])
             data_state = DataState.from_state_dict(client["data"], train_ds)
     return start, data_state
+
+
+def _frozen_lm_excluded(config: RunConfig) -> bool:
+    """Checkpoints leave out the frozen LM: it can always be read from --pretrained-checkpoint.
+    (ZeRO-3 keeps every parameter in its partitions: those checkpoints stay whole.)"""
+    ckpt = config.checkpoint
+    return bool(config.training.freeze_lm and ckpt.pretrained_checkpoint
+                and config.parallel.zero_stage < 3)  # fmt: skip
 
 
 def _should_save(iteration: int, config: RunConfig) -> bool:

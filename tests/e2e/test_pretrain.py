@@ -419,7 +419,9 @@ def test_time_budget_stops_at_a_checkpoint_and_pretrained_weights_seed_the_run(c
     first = _pretrain(0, _args(corpus, tmp_path, **flags, **{"exit-duration-in-mins": 1e-6}),
                       check=False)  # fmt: skip
     assert first.returncode == 75, first.stderr[-3000:]
-    assert f"starting from --pretrained-checkpoint {pretrained}" in first.stderr
+    assert (
+        f"no checkpoint in --load yet: loading --pretrained-checkpoint {pretrained}" in first.stderr
+    )
     assert "--exit-duration-in-mins 1e-06 reached: stopped after iteration 1" in first.stderr
     assert open(run / "latest").read() == "iter_0000001"
     lm = {k: v for k, v in _module(pretrained).items() if not k.startswith("tempnet.")}
@@ -441,3 +443,36 @@ def _module(save_dir) -> dict:
     state = torch.load(os.path.join(save_dir, tag, "mp_rank_00_model_states.pt"),
                        map_location="cpu", weights_only=False)["module"]  # fmt: skip
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("nproc,pp", [(1, 1), (2, 2)], ids=["pp1", "pp2"])
+def test_frozen_lm_checkpoints_hold_tempnet_only_and_resume_exactly(corpus, tmp_path, nproc, pp):
+    """--freeze-lm --pretrained-checkpoint: checkpoints leave out the LM (re-read from the
+    pretrained checkpoint on resume); 3 + exit + resume 3 equals 6 straight, bit for bit."""
+    layout = {"pipeline-model-parallel-size": pp, "eval-interval": 0}
+    lm = tmp_path / "lm"
+    _pretrain(nproc, _args(corpus, tmp_path, **layout, save=lm, loss="ce",
+                           **{"tau-source": "fixed", "train-iters": 2}))  # fmt: skip
+
+    def run(name: str, **flags) -> subprocess.CompletedProcess:
+        d = tmp_path / name
+        return _pretrain(nproc, _args(corpus, tmp_path, **layout, **{
+            "freeze-lm": True, "pretrained-checkpoint": lm, "load": d, "save": d,
+            "train-iters": 6, "metrics-file": d / "m.jsonl", **flags}))  # fmt: skip
+
+    run("straight")
+    run("split", **{"exit-interval": 3})
+    tag = tmp_path / "split" / "iter_0000003"
+    assert (tag / "FROZEN_LM_EXCLUDED").exists()
+    saved = sum(f.stat().st_size for f in tag.glob("*model_states.pt"))
+    whole = sum(f.stat().st_size for f in (lm / "iter_0000002").glob("*model_states.pt"))
+    assert saved < whole / 2  # the tiny LM dominates; TempNet (32 x 32) and its Adam state do not
+    resumed = run("split")
+    assert "the frozen LM: loading --pretrained-checkpoint" in resumed.stderr
+    a, b = _curve(tmp_path / "split" / "m.jsonl"), _curve(tmp_path / "straight" / "m.jsonl")
+    assert [r["iteration"] for r in a] == list(range(1, 7))
+    assert all(x["loss"] == y["loss"] and x["tau_mean"] == y["tau_mean"] for x, y in zip(a, b))
+    without = _pretrain(nproc, _args(corpus, tmp_path, **layout, **{
+        "freeze-lm": True, "load": tmp_path / "split", "train-iters": 8}), check=False)  # fmt: skip
+    assert without.returncode != 0
+    assert "holds TempNet without the frozen LM: resume it with --freeze-lm" in without.stderr
