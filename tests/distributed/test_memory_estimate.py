@@ -1,0 +1,137 @@
+"""tools/estimate_memory.py: model states against DeepSpeed's own estimators, parameter counts
+against the built model, and the total against the peak tensor memory of a real training step
+measured on CPU (TP = 1 and 2)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_tempnet.models.gpt import ModelConfig
+from megatron_tempnet.training.memory_estimate import (
+    Layout,
+    estimate,
+    largest,
+    model_state_bytes,
+    stage_params,
+)
+from tests.helpers.distributed import run_distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("preset,vocab", [("gpt2-125m", 50257), ("llama2-7b", 32000)])
+@pytest.mark.parametrize("dp", [1, 4, 64])
+def test_model_states_match_deepspeeds_estimators(preset, vocab, dp):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    model = ModelConfig.from_preset(preset, vocab_size=vocab)
+    p = stage_params(model, Layout())[0]
+    total = p.lm + p.tempnet
+    for zero in (2, 3):
+        layout = Layout(data_parallel=dp, zero_stage=zero, precision="bf16")
+        ours = sum(model_state_bytes(total, 0, p.largest_layer, layout).values())
+        if zero == 2:
+            _, theirs = estimate_zero2_model_states_mem_needs(
+                total, num_gpus_per_node=dp, cpu_offload=False
+            )
+        else:
+            _, theirs, _ = estimate_zero3_model_states_mem_needs(
+                total, p.largest_layer, num_gpus_per_node=dp, cpu_offload=False
+            )
+        assert ours == pytest.approx(theirs, rel=0.05), (zero, ours, theirs)
+
+
+def _measure(tp: int, seq: int, mbs: int, vocab: int, recompute: bool, llama: bool) -> dict:
+    """One training step of model + TempNet + DRO loss after a warm-up step; the peak of live
+    tensor bytes (parameters, gradients, optimizer states, activations) from megatron-core's
+    pieces through torch's MemTracker."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from megatron_tempnet.distributed import apply_cpu_support
+    from megatron_tempnet.models import build_gpt_model
+    from megatron_tempnet.tempnet import TempNetLM
+    from megatron_tempnet.training.engine import TrainModule
+    from megatron_tempnet.training.loss import LossConfig
+
+    apply_cpu_support()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    cfg = _config(seq, vocab, llama)
+    lm = build_gpt_model(cfg, tensor_parallel_size=tp, recompute_activations=recompute)
+    tempnet = TempNetLM(vocab, padded_vocab_size=cfg.padded_vocab_size(tp))
+    module = TrainModule(lm, tempnet, LossConfig(rho=10.0), vocab, freeze_lm=False)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (mbs, seq + 1), generator=g)
+    positions = torch.arange(seq)[None].expand(mbs, seq)
+
+    def step():
+        module(tokens[:, :-1], positions, tokens[:, 1:]).loss.mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # optimizer states exist from here on, as in every later step
+    tracker = MemTracker()
+    tracker.track_external(module, optimizer)
+    with tracker:
+        step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return {"peak": peak, "lm": sum(p.numel() for p in lm.parameters()),
+            "tempnet": sum(p.numel() for p in tempnet.parameters())}  # fmt: skip
+
+
+def _config(seq: int, vocab: int, llama: bool) -> ModelConfig:
+    shape = {"normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False,
+             "untie_embeddings_and_output_weights": True, "position_embedding_type": "rope",
+             "num_query_groups": 2} if llama else {}  # fmt: skip
+    return ModelConfig.from_preset("tiny", vocab_size=vocab, seq_length=seq,
+                                   max_position_embeddings=seq, **shape)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "tp,recompute,llama",
+    [(1, False, False), (2, False, False), (1, True, False), (2, False, True)],
+    ids=["tp1", "tp2", "tp1-recompute", "tp2-llama"],
+)
+def test_total_is_within_20_percent_of_the_measured_peak(tp, recompute, llama):
+    seq, mbs, vocab = 256, 4, 4096  # activations, logits and the loss's buffers dominate
+    results = run_distributed(_measure, world_size=tp, args=(tp, seq, mbs, vocab, recompute, llama),
+                              timeout=300)  # fmt: skip
+    cfg = _config(seq, vocab, llama)
+    layout = Layout(tensor_parallel=tp, micro_batch_size=mbs, recompute_activations=recompute)
+    planned = largest(estimate(cfg, layout))
+    for rank, got in enumerate(results):
+        assert (planned.params.lm, planned.params.tempnet) == (got["lm"], got["tempnet"]), rank
+        assert planned.total == pytest.approx(got["peak"], rel=0.2), (rank, planned.parts, got)
+
+
+def _tool(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, os.path.join(REPO, "tools", "estimate_memory.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_the_70b_recipe_and_flag_errors():
+    recipe = ["--model", "llama2-70b", "--tp", "8", "--pp", "2", "--dp", "4", "--zero", "1",
+              "--micro-batch-size", "1", "--global-batch-size", "16", "--seq-length", "4096",
+              "--bf16"]  # fmt: skip
+    frozen = _tool(*recipe, "--freeze-lm")
+    assert frozen.returncode == 0, frozen.stderr
+    assert "parameters: LM 68.98 B, TempNet 8.26 M" in frozen.stdout
+    assert "of 80 GiB: fits" in frozen.stdout
+    full = _tool(*recipe)
+    assert full.returncode == 0 and "of 80 GiB: does NOT fit" in full.stdout
+    assert "of 80 GiB: fits" in _tool(*recipe, "--recompute-activations").stdout
+    bad = _tool(*recipe[:8], "--zero", "2")
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert "--zero-stage 2 does not work with --pipeline-model-parallel-size > 1" in bad.stderr
+    heads = _tool("--model", "llama2-7b", "--tp", "3")
+    assert heads.returncode == 1 and "--num-attention-heads (32)" in heads.stderr

@@ -1,0 +1,137 @@
+"""Will it fit? Per-GPU memory of a pretrain_gpt.py run, from its flags, without a GPU.
+
+    python tools/estimate_memory.py --model llama2-70b --tp 8 --pp 2 --dp 4 --zero 1 \\
+        --micro-batch-size 1 --global-batch-size 16 --seq-length 4096 --bf16 --freeze-lm
+
+Prints the breakdown for the fullest pipeline stage (weights, gradients, optimizer states per
+ZeRO stage, activations, the logits shard, the loss's and TempNet's buffers) and a verdict against
+--gpu-memory-gb. The accounting is in megatron_tempnet/training/memory_estimate.py. Not counted:
+the CUDA context, NCCL buffers and allocator fragmentation (plan a few GiB for them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_tempnet.data.cli import run_tool
+from megatron_tempnet.models.gpt import PRESETS, ModelConfig
+from megatron_tempnet.training.memory_estimate import (
+    GIB,
+    EstimateError,
+    Layout,
+    estimate,
+    largest,
+    stage_params,
+)
+
+DEFAULT_VOCAB = {"llama": 32000, "gpt": 50257}  # LLaMA-2's SentencePiece, GPT-2's BPE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="llama2-70b", choices=sorted(PRESETS))
+    for flag in ("num-layers", "hidden-size", "num-attention-heads", "num-query-groups",
+                 "ffn-hidden-size", "seq-length", "vocab-size"):  # fmt: skip
+        p.add_argument(f"--{flag}", type=int, help="overrides the preset")
+    p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1)
+    p.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=1)
+    p.add_argument("--zero", "--zero-stage", dest="zero", type=int, default=0)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--global-batch-size", type=int, help="default: micro-batch-size x dp")
+    precision = p.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true")
+    precision.add_argument("--fp16", action="store_true")
+    p.add_argument("--freeze-lm", action="store_true", help="TempNet only (the LM is frozen)")
+    p.add_argument("--recompute-activations", action="store_true")
+    p.add_argument("--no-tempnet", action="store_true", help="--loss ce / a fixed tau")
+    p.add_argument("--tempnet-hidden-size", type=int, default=256)
+    p.add_argument("--tempnet-proj-size", type=int, default=256)
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="per GPU (default 80)")
+    return p
+
+
+def _model(args) -> ModelConfig:
+    llama = PRESETS[args.model].get("llama", False)
+    vocab = args.vocab_size or PRESETS[args.model].get("vocab_size") or DEFAULT_VOCAB[
+        "llama" if llama else "gpt"]  # fmt: skip
+    overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
+                                               "num_query_groups", "ffn_hidden_size",
+                                               "seq_length")}  # fmt: skip
+    model = ModelConfig.from_preset(args.model, **overrides, vocab_size=vocab)
+    model.max_position_embeddings = max(model.max_position_embeddings, model.seq_length)
+    return model
+
+
+def _layout(args) -> Layout:
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    return Layout(
+        tensor_parallel=args.tp, pipeline_parallel=args.pp, data_parallel=args.dp,
+        zero_stage=args.zero, micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size, precision=precision,
+        freeze_lm=args.freeze_lm, recompute_activations=args.recompute_activations,
+        tempnet=not args.no_tempnet, tempnet_hidden_size=args.tempnet_hidden_size,
+        tempnet_proj_size=args.tempnet_proj_size,
+    )  # fmt: skip
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return str(int(n))
+
+
+def report(model: ModelConfig, layout: Layout, gpu_gb: float) -> str:
+    stages = estimate(model, layout)
+    fullest = largest(stages)
+    lay, p = layout, fullest.params
+    gpus = lay.tensor_parallel * lay.pipeline_parallel * lay.data_parallel
+    tokens = f"{lay.micro_batch_size} x {model.seq_length} tokens"
+    options = (
+        ("--freeze-lm", lay.freeze_lm),
+        ("--recompute-activations", lay.recompute_activations),
+    )
+    flags = [flag for flag, on in options if on]
+    sizes = {
+        "tempnet_hidden_size": lay.tempnet_hidden_size,
+        "tempnet_proj_size": lay.tempnet_proj_size,
+    }
+    whole = stage_params(model, Layout(tempnet=lay.tempnet, **sizes))[0]  # one GPU holds it all
+    trainable = p.tempnet + (0 if lay.freeze_lm else p.lm)
+    holds = [f"{p.layers} layers"] + (["embeddings"] if p.first else []) + (
+        ["final norm, output layer, TempNet, loss"] if p.last else [])  # fmt: skip
+    lines = [
+        f"{model_name(model)}: TP {lay.tensor_parallel} x PP {lay.pipeline_parallel} x DP "
+        f"{lay.data_parallel} ({gpus} GPUs), ZeRO-{lay.zero_stage}, {lay.precision}, micro-batch "
+        f"{tokens}, {lay.micro_batches} micro-batch(es) per step {' '.join(flags)}".rstrip(),
+        f"parameters: LM {_count(whole.lm)}, TempNet {_count(whole.tempnet)}",
+        f"per GPU, fullest stage ({fullest.stage + 1} of {lay.pipeline_parallel}: "
+        f"{', '.join(holds)}; {_count(p.lm + p.tempnet)} parameters, {_count(trainable)} "
+        "trained):",
+    ]
+    for name, value in fullest.parts.items():
+        lines.append(f"  {name:<22} {value / GIB:9.2f} GiB")
+    total = fullest.total / GIB
+    verdict = "fits" if total <= gpu_gb else "does NOT fit"
+    lines.append(f"  {'total':<22} {total:9.2f} GiB of {gpu_gb:g} GiB: {verdict} "
+                 f"({gpu_gb - total:+.2f} GiB headroom)")  # fmt: skip
+    lines.append("  (not counted: CUDA context, NCCL buffers, allocator fragmentation)")
+    return "\n".join(lines)
+
+
+def model_name(model: ModelConfig) -> str:
+    kind = "LLaMA" if model.swiglu else "GPT"
+    return (f"{kind} {model.num_layers} layers x {model.hidden_size} hidden, vocabulary "
+            f"{model.vocab_size}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    print(report(_model(args), _layout(args), args.gpu_memory_gb))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_tool(main, (EstimateError,)))
