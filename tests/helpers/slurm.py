@@ -1,6 +1,6 @@
 """A real single-node SLURM for tests: installed (Debian ``slurm-wlm`` + ``munge``) and started.
 
-    cluster = start_slurm(workdir)      # pytest.skip(reason) only where that is impossible
+    cluster = start_slurm()             # pytest.skip(reason) only where that is impossible
     job = cluster.sbatch([...], env)    # job id
     cluster.wait(job, timeout=...)      # final state, e.g. "COMPLETED"
     cluster.stop()
