@@ -316,7 +316,9 @@ def run_preprocess(config: PreprocessConfig) -> list[IndexSummary]:
         summaries = _run_partitions(config, groups, dtype, pool, progress)
     finally:
         if pool is not None:
-            pool.terminate()
+            # close + join: the chunks still in flight (bounded) finish. Pool.terminate() can
+            # deadlock when it kills a worker that holds the result queue's lock.
+            pool.close()
             pool.join()
         for s, handler in previous.items():
             signal.signal(s, handler)
