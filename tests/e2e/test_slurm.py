@@ -121,6 +121,16 @@ def test_llama70b_recipe_runs_under_slurm(reference, llama_lm):
     )  # TempNet lowers the DRO loss
 
 
+def _wait_for_idle_node(timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
+        if r.stdout.strip() == "idle":
+            return
+        time.sleep(0.5)
+    pytest.fail(f"the SLURM node did not become idle in {timeout:.0f} s")
+
+
 def _wait_for_iteration(metrics, iteration: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -141,6 +151,10 @@ def test_preempted_job_resumes_to_the_same_loss_curve(cluster, llama_lm, referen
     subprocess.run([*how.split(), job], check=True, capture_output=True)
     # requeued: SLURM holds a requeued job back for a while before it may start again
     cluster.wait(job, timeout=120, until=lambda s: s == "PENDING")
+    # starting it again before slurmd has cleaned up the first run makes SLURM kill it ("Job
+    # credential revoked"): SLURM's own hold avoids that; this shortcut waits for an idle node
+    _wait_for_idle_node(timeout=60)
+    time.sleep(2)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
     state = cluster.wait(job, timeout=600)
     log = out.read_text()
