@@ -22,7 +22,7 @@ PRESETS: dict[str, dict] = {
     ),
     "gpt2-125m": dict(
         num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072,
-        seq_length=1024, max_position_embeddings=1024,
+        seq_length=1024, max_position_embeddings=1024, openai_gelu=True,
     ),
     "llama2-7b": dict(
         num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
@@ -74,6 +74,8 @@ class ModelConfig:
     """--normalization: LayerNorm or RMSNorm."""
     swiglu: bool = False
     """--swiglu: SwiGLU MLP instead of GELU."""
+    openai_gelu: bool = False
+    """--openai-gelu: GELU's tanh approximation (OpenAI GPT-2, HF's ``gelu_new``)."""
     untie_embeddings_and_output_weights: bool = False
     """--untie-embeddings-and-output-weights"""
     position_embedding_type: str = "learned_absolute"
@@ -169,7 +171,7 @@ def transformer_config(
         normalization=model.normalization,
         layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=model.swiglu,
-        activation_func=torch.nn.functional.silu if model.swiglu else torch.nn.functional.gelu,
+        activation_func=_activation(model),
         add_bias_linear=model.add_bias_linear,
         init_method_std=model.init_method_std,
         hidden_dropout=model.hidden_dropout,
@@ -189,6 +191,17 @@ def transformer_config(
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
     )
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation (``--openai-gelu``)."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def _activation(model: ModelConfig):
+    if model.swiglu:
+        return torch.nn.functional.silu
+    return gelu_tanh if model.openai_gelu else torch.nn.functional.gelu
 
 
 def model_summary(model: ModelConfig) -> dict:

@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"])
     g.add_argument("--swiglu", action="store_true", default=None)
+    g.add_argument(
+        "--openai-gelu",
+        action="store_true",
+        default=None,
+        help="GELU's tanh approximation (GPT-2 as released, HF gelu_new)",
+    )
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
     g.add_argument("--disable-bias-linear", action="store_true", default=None)
     add_data_args(p, seq_length_default=None)  # None: the preset's
@@ -110,6 +116,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     overrides.update(
         seq_length=args.seq_length,
         swiglu=args.swiglu,
+        openai_gelu=args.openai_gelu,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         add_bias_linear=False if args.disable_bias_linear else None,
     )
@@ -156,3 +163,26 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                               tensorboard_dir=args.tensorboard_dir,
                               metrics_file=args.metrics_file),
     )  # fmt: skip
+
+
+def model_flags(model: ModelConfig) -> list[str]:
+    """``pretrain_gpt.py`` flags that build exactly ``model`` (vocabulary from the tokenizer)."""
+    flags = [
+        "--num-layers", model.num_layers, "--hidden-size", model.hidden_size,
+        "--num-attention-heads", model.num_attention_heads,
+        "--ffn-hidden-size", model.ffn_hidden_size or 4 * model.hidden_size,
+        "--max-position-embeddings", model.max_position_embeddings,
+        "--normalization", model.normalization, "--norm-epsilon", model.norm_epsilon,
+        "--position-embedding-type", model.position_embedding_type,
+    ]  # fmt: skip
+    if model.num_query_groups and model.num_query_groups != model.num_attention_heads:
+        flags += ["--num-query-groups", model.num_query_groups]
+    if model.position_embedding_type == "rope":
+        flags += ["--rotary-base", model.rotary_base]
+    for flag, on in (("--swiglu", model.swiglu), ("--openai-gelu", model.openai_gelu),
+                     ("--untie-embeddings-and-output-weights",
+                      model.untie_embeddings_and_output_weights),
+                     ("--disable-bias-linear", not model.add_bias_linear)):  # fmt: skip
+        if on:
+            flags.append(flag)
+    return [str(f) for f in flags]

@@ -25,6 +25,7 @@ from megatron_tempnet.utils.logging import log_rank0
 
 LATEST = "latest"
 FROZEN_LM_EXCLUDED = "FROZEN_LM_EXCLUDED"
+WEIGHTS_ONLY = "WEIGHTS_ONLY"  # a converted checkpoint: weights, no training state
 
 
 class CheckpointError(RuntimeError):
@@ -107,7 +108,8 @@ def load_checkpoint(
     ``weights_only`` (--finetune, --pretrained-checkpoint) loads the model and nothing else: the
     caller starts at iteration 0 with fresh data position and optimizer. ``flag`` names the
     directory's flag in errors. ``lm_loaded``: the frozen LM is already in place, so a
-    checkpoint without it (``FROZEN_LM_EXCLUDED``) may be resumed.
+    checkpoint without it (``FROZEN_LM_EXCLUDED``) may be resumed. A checkpoint marked
+    ``WEIGHTS_ONLY`` (converted from Hugging Face) always loads as weights only.
     """
     source = f"{flag or ('--finetune --load' if weights_only else '--load')} {load_dir}"
     tag = latest_tag(load_dir)
@@ -116,6 +118,10 @@ def load_checkpoint(
             raise CheckpointError(f"{source}: no checkpoint there (no 'latest')")
         log_rank0("no checkpoint in %s: starting from scratch", load_dir)
         return None
+    if not weights_only and os.path.exists(os.path.join(load_dir, tag, WEIGHTS_ONLY)):
+        log_rank0("%s: %s holds weights only (no training state): starting at iteration 0 "
+                  "from its weights, as with --finetune", source, tag)  # fmt: skip
+        weights_only = True
     _check_layout(engine, load_dir, tag, source)
     lm_excluded = os.path.exists(os.path.join(load_dir, tag, FROZEN_LM_EXCLUDED))
     if lm_excluded and not lm_loaded:
