@@ -8,9 +8,9 @@ from megatron_tempnet.data.gpt_data import GPTDataConfig
 from megatron_tempnet.data.tokenizers import TOKENIZER_TYPES
 
 
-def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
+def add_tokenizer_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
     g = parser.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-type", required=required, choices=TOKENIZER_TYPES)
     g.add_argument(
         "--tokenizer-model", help="SentencePiece .model file, or a Hugging Face tokenizer directory"
     )

@@ -1,0 +1,71 @@
+"""Personal temperatures in plain Hugging Face ``generate``.
+
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+    from megatron_tempnet.inference.hf import TempNetLogitsProcessor
+
+    tempnet = TempNetLogitsProcessor("exported_tempnet/", tau_max_eval=1.0)
+    out = model.generate(ids, logits_processor=LogitsProcessorList([tempnet]),
+                         do_sample=True, temperature=1.0, top_p=0.9)
+    tempnet.taus  # [batch, generated tokens]: the tau every token was chosen with
+
+``transformers`` applies user processors after its own (repetition penalty and the like) and
+before its sampling warpers (temperature, top-k, top-p): the logits are divided by TempNet's tau
+first, then filtered. Leave ``temperature`` at 1.0 (some models' ``generation_config`` set
+another), or it divides the logits a second time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_tempnet.tempnet.export import load_tempnet
+
+try:
+    from transformers import LogitsProcessor
+except ImportError:  # transformers is a dependency; this keeps the module importable without
+    LogitsProcessor = object
+
+
+class TempNetLogitsProcessor(LogitsProcessor):
+    """Divides each step's next-token logits by the tau an exported TempNet predicts from them.
+
+    Args:
+        tempnet_dir: a directory written by ``tools/export_tempnet.py``.
+        tau_max_eval: the upper bound of tau at inference (Figure 9; default: the trained one).
+        record: keep every step's tau in ``self.taus``.
+
+    The scores may have more columns than TempNet's vocabulary (a padded embedding): TempNet reads
+    the first ``vocab_size`` and every column is divided.
+    """
+
+    def __init__(self, tempnet_dir: str, *, tau_max_eval: float | None = None,
+                 record: bool = True):  # fmt: skip
+        self.tempnet = load_tempnet(tempnet_dir, tau_max_eval=tau_max_eval)
+        self.record = record
+        self._taus: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        vocab = self.tempnet.vocab_size
+        if scores.shape[-1] < vocab:
+            raise ValueError(
+                f"TempNetLogitsProcessor: the model scores {scores.shape[-1]} tokens, TempNet was "
+                f"trained on a vocabulary of {vocab}: not the same tokenizer?"
+            )
+        if self.tempnet.weight1.device != scores.device:
+            self.tempnet.to(scores.device)
+        tau = self.tempnet(scores[:, :vocab].float())  # [b]
+        if self.record:
+            self._taus.append(tau.detach().cpu())
+        return scores / tau[:, None].to(scores.dtype)
+
+    @property
+    def taus(self) -> torch.Tensor:
+        """``[batch, steps]`` tau of every generated token so far (float32, CPU)."""
+        if not self._taus:
+            return torch.empty(0, 0)
+        return torch.stack(self._taus, dim=1)
+
+    def reset(self) -> None:
+        """Forget the recorded taus (before the next ``generate``)."""
+        self._taus.clear()

@@ -1,0 +1,144 @@
+"""A checkpoint of any saved layout, loaded for inference at this job's tensor-parallel size.
+
+The job is ``tp`` processes (torchrun, srun, or one process for TP = 1); each builds its shard of
+the model (``GPTStack``) and reads its slice of every tensor from the checkpoint
+(``CheckpointReader``), so a checkpoint saved at TP = 8 x PP = 2 loads at TP = 1 or 2 and back.
+TempNet comes from the checkpoint, or from an exported directory (``--tempnet``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_tempnet.inference.checkpoint_io import CheckpointReader, lm_names
+from megatron_tempnet.models.gpt import ModelConfig
+from megatron_tempnet.models.sharding import shard
+from megatron_tempnet.tempnet import TempNetLM
+from megatron_tempnet.training.checkpoint import CheckpointError
+
+
+class InferenceError(ValueError):
+    """Inference flags or inputs that cannot work; names the flag or the input."""
+
+
+@dataclass
+class InferenceModel:
+    """The LM shard ``lm`` (``[b, s]`` tokens -> ``[b, s, V_pad/tp]`` logits) and TempNet."""
+
+    lm: torch.nn.Module
+    tempnet: TempNetLM | None
+    model: ModelConfig
+    config: dict
+    """The run config saved with the checkpoint (its ``tokenizer`` entry builds the tokenizer)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[b, s]`` -> float32 ``[b, s, V_pad/tp]`` (this rank's vocabulary slice)."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
+        return self.lm(tokens, positions).float()
+
+
+def init_inference(tensor_parallel: int) -> None:
+    """torch.distributed over this job's processes (``tensor_parallel`` of them) and
+    megatron-core's groups; a lone process with TP = 1 needs no launcher."""
+    from megatron.core import parallel_state
+
+    from megatron_tempnet.distributed import apply_cpu_support
+    from megatron_tempnet.distributed.launch import launch_environment
+
+    apply_cpu_support()
+    if dist.is_initialized():  # the caller set up the processes
+        world = dist.get_world_size()
+    else:
+        os.environ.update(launch_environment(os.environ))
+        world = int(os.environ["WORLD_SIZE"])
+    if world != tensor_parallel:
+        raise InferenceError(
+            f"--tensor-model-parallel-size ({tensor_parallel}) must equal the number of "
+            f"processes ({world}): launch with torchrun --nproc-per-node {tensor_parallel}"
+        )
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+
+
+def load_inference_model(
+    load_dir: str,
+    *,
+    pretrained_checkpoint: str | None = None,
+    tempnet_dir: str | None = None,
+    tau_max_eval: float | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> InferenceModel:
+    """The model of ``load_dir`` at the current TP size (``init_inference`` first).
+
+    A frozen-LM run's checkpoint holds TempNet only: the LM then comes from
+    ``pretrained_checkpoint`` (default: the one that run was started with).
+    """
+    from megatron.core import parallel_state
+
+    from megatron_tempnet.models.gpt_layers import build_gpt_model
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    reader = CheckpointReader(load_dir)
+    lm_reader = reader
+    if not reader.has_lm():
+        source = pretrained_checkpoint or reader.config.get("checkpoint", {}).get(
+            "pretrained_checkpoint"
+        )
+        if not source:
+            raise CheckpointError(
+                f"--load {load_dir}: holds TempNet without the LM: add --pretrained-checkpoint"
+            )
+        lm_reader = CheckpointReader(source, "--pretrained-checkpoint")
+    model = lm_reader.model
+    lm = build_gpt_model(model, tensor_parallel_size=tp, params_dtype=dtype)
+    padded = model.padded_vocab_size(tp)
+    names = [n for n in lm_names(model) if not n.endswith("_extra_state")]
+    state = {
+        n: shard(n, lm_reader.full(n), rank, tp, swiglu=model.swiglu, padded_vocab=padded)
+        for n in names
+    }
+    missing, unexpected = lm.load_state_dict(state, strict=False)
+    if [k for k in missing if not k.endswith("_extra_state")] or unexpected:
+        raise CheckpointError(f"--load {load_dir}: does not match the model it describes "
+                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")  # fmt: skip
+    if torch.cuda.is_available():
+        lm.cuda()
+    tempnet = _tempnet(reader, tempnet_dir, padded, tau_max_eval)
+    return InferenceModel(lm.eval(), tempnet, model, reader.config or lm_reader.config)
+
+
+def _tempnet(reader: CheckpointReader, tempnet_dir: str | None, padded: int,
+             tau_max_eval: float | None) -> TempNetLM | None:  # fmt: skip
+    if tempnet_dir:
+        from megatron_tempnet.tempnet.export import load_tempnet
+
+        tempnet = load_tempnet(tempnet_dir, padded_vocab_size=padded, tau_max_eval=tau_max_eval)
+    elif reader.has_tempnet():
+        state = reader.tempnet_state()
+        loss = reader.config.get("loss", {})
+        tempnet = TempNetLM(
+            reader.model.vocab_size, hidden_size=state["weight1"].shape[0],
+            proj_size=state["weight2"].shape[0], tau_min=loss.get("tau_min", 0.001),
+            tau_max=loss.get("tau_max", 2.0), padded_vocab_size=padded,
+        )  # fmt: skip
+        tempnet.load_state_dict({k: v.float() for k, v in state.items()})
+        tempnet.tau_max_eval = tau_max_eval
+    else:
+        return None
+    if torch.cuda.is_available():
+        tempnet.cuda()
+    return tempnet.eval()

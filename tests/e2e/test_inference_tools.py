@@ -1,0 +1,337 @@
+"""TempNet export, TempNetLogitsProcessor in plain HF generate, tools/generate.py at TP 1 and 2,
+tools/evaluate.py's T-LLM perplexity and the lm-eval adapter, against references written here.
+
+A TempNet is trained with pretrain_gpt.py on a frozen LLaMA converted from a tiny random
+transformers model, so the HF model and our checkpoints hold the same LM."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.e2e.test_hf_interop import ENV, REPO, convert, tool
+from tests.helpers.corpus import blend_corpus, pydoc_documents
+from tests.helpers.distributed import run_distributed
+from tests.helpers.hf_models import load_hf, save_hf_gpt2, save_hf_llama
+
+
+def _train(setup, ckpt, out, nproc: int, iters: int, extra: list[str] = ()) -> None:
+    spec = setup["corpus"]["spec"]
+    with open(os.path.join(ckpt, "model_flags.txt")) as f:
+        model_flags = f.read().split()
+    args = [
+        *model_flags, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", spec["vocab_file"],
+        "--merge-file", spec["merge_file"], "--data-path", setup["corpus"]["prefix"]["A"],
+        "--split", "90,8,2", "--seq-length", "32", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--train-iters", str(iters), "--eval-interval", "0",
+        "--tempnet-hidden-size", "32", "--tempnet-proj-size", "32", "--tempnet-rho", "4",
+        "--lr", "3e-3", "--data-cache-path", str(setup["dir"] / "cache"), "--freeze-lm",
+        "--pretrained-checkpoint", ckpt, "--load", str(out), "--save", str(out),
+        "--tensor-model-parallel-size", str(nproc), *extra,
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", os.path.join(REPO, "pretrain_gpt.py"), *args]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("inference")
+    corpus = blend_corpus(str(d), vocab_size=500)
+    s = {"dir": d, "corpus": corpus, "tokenizer": corpus["tokenizer"], "vocab": 500,
+         "llama": save_hf_llama(str(d), 500)}  # fmt: skip
+    s["ckpt"] = convert(s["llama"], d / "llama-tp2", tp=2)
+    _train(s, s["ckpt"], d / "run", nproc=2, iters=20)
+    s["run"] = str(d / "run")
+    tool("export_tempnet.py", "--load", s["run"], "--output", d / "tempnet")
+    s["tempnet"] = str(d / "tempnet")
+    return s
+
+
+def reference_tau(logits: torch.Tensor, tempnet_dir: str, tau_max: float | None = None):
+    """DESIGN.md §2 in float64 from the exported file: logits [n, >= V] -> tau [n]."""
+    from safetensors.torch import load_file
+
+    w = {k: v.double() for k, v in load_file(os.path.join(tempnet_dir, "tempnet.safetensors"))
+         .items()}  # fmt: skip
+    with open(os.path.join(tempnet_dir, "tempnet_config.json")) as f:
+        c = json.load(f)
+    L = logits[:, : c["vocab_size"]].double()
+    v = torch.sigmoid(L / L.norm(dim=1, keepdim=True) @ w["weight1"].t() + w["bias1"])
+    u = v @ w["weight2"].t()
+    attention = torch.softmax(u / w["pooling.log_phi"].exp(), dim=1) - 1.0 / u.shape[1]
+    s = (attention * w["pooling.w3"] * u).sum(1) - w["pooling.bias"]
+    upper = tau_max if tau_max is not None else c["tau_max"]
+    return (upper - c["tau0"]) * torch.sigmoid(s) + c["tau0"]
+
+
+def test_exported_tempnet_is_the_same_network_at_tp1_and_tp4(setup, tmp_path):
+    gpt2 = save_hf_gpt2(str(tmp_path), setup["vocab"])  # 4 heads: TP 4 possible
+    exports = {}
+    for tp in (1, 4):
+        ckpt = convert(gpt2, tmp_path / f"gpt2-tp{tp}", tp=tp)
+        _train(setup, ckpt, tmp_path / f"run{tp}", nproc=tp, iters=4)
+        tool("export_tempnet.py", "--load", tmp_path / f"run{tp}", "--output", tmp_path / f"t{tp}")
+        exports[tp] = tmp_path / f"t{tp}"
+    from safetensors.torch import load_file
+
+    one, four = (load_file(str(exports[tp] / "tempnet.safetensors")) for tp in (1, 4))
+    assert (
+        sorted(one)
+        == sorted(four)
+        == sorted(["weight1", "bias1", "weight2", "pooling.w3", "pooling.bias", "pooling.log_phi"])
+    )
+    assert one["weight1"].shape == (32, 500)  # full network over the true vocabulary
+    initial = load_file(str(exports[1] / "tempnet.safetensors"))["weight1"]
+    for name in one:
+        torch.testing.assert_close(four[name], one[name], rtol=1e-5, atol=1e-6)
+    configs = [json.load(open(exports[tp] / "tempnet_config.json")) for tp in (1, 4)]
+    for c in configs:
+        c["trained_with"].pop("checkpoint")
+    assert configs[0] == configs[1]
+    assert {k: configs[0][k] for k in ("vocab_size", "d1", "d2", "tau0", "tau_max",
+                                       "input_normalization")} == {
+        "vocab_size": 500, "d1": 32, "d2": 32, "tau0": 0.001, "tau_max": 2.0,
+        "input_normalization": "l2"}  # fmt: skip
+    assert initial.abs().sum() > 0
+
+
+def _our_tau(run: str, tokens: torch.Tensor):
+    from megatron_tempnet.inference.model import init_inference, load_inference_model
+
+    init_inference(1)
+    model = load_inference_model(run)
+    logits = model.logits(tokens)
+    return logits, model.tempnet(logits)
+
+
+def test_logits_processor_gives_our_tau_and_drives_hf_generate(setup, tmp_path):
+    from transformers import LogitsProcessorList
+
+    from megatron_tempnet.inference.hf import TempNetLogitsProcessor
+
+    tokens = torch.randint(0, 500, (1, 20), generator=torch.Generator().manual_seed(1))
+    ours_logits, ours = run_distributed(_our_tau, world_size=1, args=(setup["run"], tokens))[0]
+    hf = load_hf(setup["llama"])
+    with torch.no_grad():
+        hf_logits = hf(tokens).logits[0]  # [s, V]
+    processor = TempNetLogitsProcessor(setup["tempnet"])
+    for t in range(tokens.shape[1]):
+        processor(tokens[:, : t + 1], hf_logits[t : t + 1].clone())
+    got = processor.taus[0]  # [s]
+    want = reference_tau(hf_logits, setup["tempnet"])
+    torch.testing.assert_close(got.double(), ours[0].double(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+    assert float(want.std()) > 0  # TempNet gives different tokens different temperatures
+    scaled = processor(tokens, hf_logits[:1].clone())
+    torch.testing.assert_close(scaled, hf_logits[:1] / processor.taus[0, -1], rtol=1e-6, atol=0)
+
+    prompt = torch.tensor([setup["tokenizer"].tokenize("The module")])
+    processor.reset()
+    plain = hf.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with_tau = hf.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                           logits_processor=LogitsProcessorList([processor]))  # fmt: skip
+    assert torch.equal(plain, with_tau)  # dividing by tau > 0 keeps the argmax
+    assert processor.taus.shape == (1, 6)
+    # tools/generate.py on our checkpoint: the same greedy tokens and the same taus
+    (tmp_path / "p.txt").write_text("The module\n")
+    tool("generate.py", "--load", setup["run"], "--prompts", tmp_path / "p.txt", "--output",
+         tmp_path / "g.jsonl", "--max-new-tokens", 6, "--ignore-eod")  # fmt: skip
+    record = json.loads((tmp_path / "g.jsonl").read_text())
+    assert record["token_ids"] == with_tau[0, prompt.shape[1] :].tolist()
+    torch.testing.assert_close(torch.tensor(record["tau"]), processor.taus[0], rtol=0, atol=1e-5)
+    processor.reset()
+    sampled = hf.generate(
+        prompt,
+        max_new_tokens=6,
+        do_sample=True,
+        top_p=0.9,
+        temperature=1.0,
+        pad_token_id=0,
+        logits_processor=LogitsProcessorList([processor]),
+    )
+    assert sampled.shape == (1, prompt.shape[1] + 6) and processor.taus.shape == (1, 6)
+
+
+def _generate(setup, tmp_path, name: str, nproc: int, *flags) -> list[dict]:
+    out = tmp_path / f"{name}.jsonl"
+    cmd = [
+        sys.executable,
+        *(
+            ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+            if nproc > 1
+            else []
+        ),
+        os.path.join(REPO, "tools", "generate.py"),
+        "--load",
+        setup["run"],
+        "--tensor-model-parallel-size",
+        str(nproc),
+        "--prompts",
+        str(tmp_path / "p.jsonl"),
+        "--output",
+        str(out),
+        "--max-new-tokens",
+        "12",
+        "--ignore-eod",
+        *map(str, flags),
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_generate_tool_is_the_same_at_tp1_and_tp2(setup, tmp_path):
+    prompts = ["The module", "import os", "Return the value of"]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    for mode in (
+        ["--seed", 1],
+        ["--sample", "--seed", 5],
+        ["--sample", "--top-k", 20, "--top-p", 0.8, "--seed", 5],
+    ):
+        one = _generate(setup, tmp_path, "one", 1, *mode)
+        two = _generate(setup, tmp_path, "two", 2, *mode)
+        assert [r["prompt"] for r in one] == prompts
+        for a, b in zip(one, two):
+            assert a["token_ids"] == b["token_ids"], mode
+            assert len(a["tau"]) == len(a["token_ids"]) == 12
+            torch.testing.assert_close(torch.tensor(a["tau"]), torch.tensor(b["tau"]),
+                                       rtol=0, atol=1e-6)  # fmt: skip
+            assert a["response"] == setup["tokenizer"].detokenize(a["token_ids"])
+            if "\ufffd" not in a["response"]:  # byte-level pieces of one character do not
+                assert "".join(a["tokens"]) == a["response"]  # add up text by text
+    sampled = _generate(setup, tmp_path, "s", 1, "--sample", "--seed", 5)
+    assert sampled[0]["token_ids"] != _generate(setup, tmp_path, "s2", 1, "--sample", "--seed",
+                                                6)[0]["token_ids"]  # fmt: skip
+    capped = _generate(setup, tmp_path, "cap", 1, "--tau-max-eval", 0.5)
+    assert max(t for r in capped for t in r["tau"]) <= 0.5
+    fixed = _generate(setup, tmp_path, "fixed", 1, "--fixed-tau", 0.7)
+    assert all(t == pytest.approx(0.7) for r in fixed for t in r["tau"])
+    assert fixed[0]["tau_source"] == "fixed"
+
+
+def test_generate_tool_errors(setup, tmp_path):
+    def run(*args, expect: str):
+        out = tmp_path / "out.jsonl"
+        r = tool("generate.py", *args, "--output", out, check=False)
+        assert r.returncode == 1 and expect in r.stderr, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr and not out.exists()
+
+    (tmp_path / "ok.txt").write_text("hello\n")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
+    (tmp_path / "empty.txt").write_text("\n\n")
+    (tmp_path / "long.txt").write_text("word " * 80 + "\n")
+    run("--load", tmp_path / "missing", "--prompts", tmp_path / "ok.txt",
+        expect="--load " + str(tmp_path / "missing"))  # fmt: skip
+    run("--load", setup["run"], "--prompts", tmp_path / "nope.txt", expect="nope.txt: no such")
+    run("--load", setup["run"], "--prompts", tmp_path / "bad.jsonl", expect="bad.jsonl:2")
+    run("--load", setup["run"], "--prompts", tmp_path / "empty.txt", expect="no prompts")
+    run("--load", setup["run"], "--prompts", tmp_path / "long.txt", expect="positions")
+    run("--load", setup["run"], "--prompts", tmp_path / "ok.txt", "--top-p", 0, expect="--top-p")
+    run("--load", setup["ckpt"], "--prompts", tmp_path / "ok.txt", expect="no tokenizer saved")
+    spec = setup["corpus"]["spec"]
+    run("--load", setup["ckpt"], "--prompts", tmp_path / "ok.txt", "--tokenizer-type",
+        "GPT2BPETokenizer", "--vocab-file", spec["vocab_file"], "--merge-file", spec["merge_file"],
+        expect="no TempNet in it: give --tempnet or --fixed-tau")  # fmt: skip
+
+
+def _hf_scores(setup, documents: list[list[int]]):
+    """Per-token CE and T-LLM CE (softmax(L / tau), tau from reference_tau) with the HF model."""
+    hf = load_hf(setup["llama"])
+    ce, tllm = [], []
+    for doc in documents:
+        with torch.no_grad():
+            logits = hf(torch.tensor([doc[:-1]])).logits[0].double()  # [s, V]
+        tau = reference_tau(logits, setup["tempnet"])
+        target = torch.tensor(doc[1:])
+        ce.append(-logits.log_softmax(-1).gather(1, target[:, None])[:, 0])
+        tllm.append(-(logits / tau[:, None]).log_softmax(-1).gather(1, target[:, None])[:, 0])
+    return torch.cat(ce), torch.cat(tllm), tllm
+
+
+def test_evaluate_tllm_perplexity_matches_a_reference(setup, tmp_path):
+    texts = [t[:110] for t in pydoc_documents(6)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    documents = [setup["tokenizer"].tokenize(t) for t in texts]
+    assert max(len(d) for d in documents) <= 64  # one window each (the model has 64 positions)
+    ce, tllm, per_doc = _hf_scores(setup, documents)
+    results = {}
+    for tp in (1, 2):
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        cmd = [sys.executable, *(launcher if tp == 2 else []),
+               os.path.join(REPO, "tools", "evaluate.py"), "--load", setup["run"],
+               "--tensor-model-parallel-size", str(tp), "--jsonl", str(tmp_path / "docs.jsonl"),
+               "--documents", "separate", "--output", str(tmp_path / f"e{tp}.json"),
+               "--per-token-output", str(tmp_path / f"t{tp}.jsonl")]  # fmt: skip
+        r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        results[tp] = json.loads((tmp_path / f"e{tp}.json").read_text())
+        rows = [json.loads(x) for x in (tmp_path / f"t{tp}.jsonl").read_text().splitlines()]
+        for row, want in zip(rows, per_doc):
+            torch.testing.assert_close(torch.tensor(row["tllm_logprob"], dtype=torch.float64),
+                                       -want, rtol=0, atol=2e-5)  # fmt: skip
+    for tp in (1, 2):
+        got = results[tp]
+        assert got["tokens"] == sum(len(d) - 1 for d in documents) == ce.numel()
+        assert got["tllm_ppl"] == pytest.approx(math.exp(tllm.mean().item()), rel=1e-5)
+        assert got["ppl"] == pytest.approx(math.exp(ce.mean().item()), rel=1e-5)
+    assert results[1]["tllm_ppl"] != pytest.approx(results[1]["ppl"], rel=1e-6)
+
+
+def test_lm_eval_adapter_scores_a_local_multiple_choice_task(setup, tmp_path):
+    """The correct choice is the model's greedy next token, so accuracy must be 1; every
+    log-likelihood equals tools/evaluate.py's on the text context + choice."""
+    tok = setup["tokenizer"]
+    contexts = ["The module", "import os", "Return the value", "class Foo"]
+    hf = load_hf(setup["llama"])
+    items = []
+    for i, context in enumerate(contexts):
+        with torch.no_grad():
+            logits = hf(torch.tensor([tok.tokenize(context)])).logits[0, -1]
+        ranked = [
+            t
+            for t in logits.argsort(descending=True).tolist()
+            if tok.detokenize([t]).startswith(" ") and tok.detokenize([t]).strip()
+        ]
+        choices = [tok.detokenize([t]) for t in (ranked[0], ranked[5], ranked[20])]
+        items.append({"question": context, "choices": choices, "answer": 0, "id": i})
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps(x) + "\n" for x in items))
+    (tmp_path / "tiny_mc.yaml").write_text(
+        "task: tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {tmp_path / 'mc.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
+        'doc_to_target: "{{answer}}"\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n'
+    )
+    cmd = [sys.executable, "-m", "megatron_tempnet.inference.lm_eval_adapter", "run",
+           "--model", "megatron_tempnet", "--model_args", f"load={setup['run']}",
+           "--tasks", "tiny_mc", "--include_path", str(tmp_path), "--output_path",
+           str(tmp_path / "out"), "--log_samples"]  # fmt: skip
+    env = dict(ENV, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
+               HF_DATASETS_CACHE=str(tmp_path / "hf-cache"))  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    results = json.loads(open(glob.glob(str(tmp_path / "out" / "**" / "results_*.json"),
+                                        recursive=True)[0]).read())  # fmt: skip
+    assert results["results"]["tiny_mc"]["acc,none"] == 1.0
+    samples = [json.loads(x) for f in glob.glob(str(tmp_path / "out" / "**" / "samples_*.jsonl"),
+                                                recursive=True) for x in open(f)]  # fmt: skip
+    texts = [it["question"] + c for it in items for c in it["choices"]]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tool("evaluate.py", "--load", setup["run"], "--jsonl", tmp_path / "pairs.jsonl",
+         "--documents", "separate", "--per-token-output", tmp_path / "pt.jsonl")  # fmt: skip
+    rows = [json.loads(x) for x in (tmp_path / "pt.jsonl").read_text().splitlines()]
+    for sample in samples:
+        item = items[sample["doc"]["id"]]
+        context_len = len(tok.tokenize(item["question"]))
+        for c, (logprob, _) in enumerate(r[0] for r in sample["resps"]):
+            row = rows[sample["doc"]["id"] * 3 + c]
+            want = sum(row["tllm_logprob"][context_len - 1 :])
+            assert float(logprob) == pytest.approx(want, abs=1e-5), (item, c)

@@ -1,0 +1,116 @@
+"""Cross-entropy perplexity and the paper's T-LLM perplexity of a checkpoint on held-out text.
+
+    torchrun --nproc-per-node 2 tools/evaluate.py --load checkpoints/run \
+        --tensor-model-parallel-size 2 --data-path data/owt2_valid_text_document \
+        --seq-length 1024 --output eval.json
+
+``--data-path`` reads an indexed dataset (``tools/preprocess_data.py``), ``--jsonl`` a ``.jsonl``
+file (``--json-key``, default ``text``) tokenised here. ``--documents concatenated`` (default)
+joins the documents (with end-of-document tokens) into one stream cut into windows of
+``--seq-length`` predictions; ``separate`` scores each document on its own. Printed and written
+to ``--output``: ``ppl = exp(mean CE)``, ``tllm_ppl = exp(mean CE of softmax(logits / tau))`` with
+tau from TempNet (or ``--fixed-tau``), and tau statistics. ``--per-token-output`` writes one JSON
+object per scored stream/document with every target's ``ce``, ``tllm_logprob`` and ``tau``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+from megatron_tempnet.data.cli import run_tool
+from megatron_tempnet.inference.cli import add_model_args, load_from_args, user_errors
+from megatron_tempnet.inference.evaluation import score_tokens, summarise
+from megatron_tempnet.inference.model import InferenceError
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_model_args(p)
+    g = p.add_argument_group("data")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data-path", help="indexed dataset prefix (without .bin/.idx)")
+    src.add_argument("--jsonl", help="a .jsonl file of documents")
+    g.add_argument("--json-key", default="text")
+    g.add_argument("--seq-length", type=int, help="predictions per window (default: the model's)")
+    g.add_argument("--documents", choices=["concatenated", "separate"], default="concatenated")
+    g.add_argument("--max-documents", type=int, help="only the first N documents")
+    g.add_argument("--output", help="write the summary JSON here too")
+    g.add_argument("--per-token-output", help="JSONL of per-token scores")
+    return p.parse_args(argv)
+
+
+def read_documents(args, tokenizer) -> list[list[int]]:
+    limit = args.max_documents
+    if args.data_path:
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        from megatron_tempnet.data.indexed import validate_indexed_dataset
+
+        validate_indexed_dataset(args.data_path)
+        dataset = IndexedDataset(args.data_path)
+        count = len(dataset) if limit is None else min(limit, len(dataset))
+        return [dataset[i].tolist() for i in range(count)]
+    if not os.path.isfile(args.jsonl):
+        raise InferenceError(f"--jsonl {args.jsonl}: no such file")
+    documents = []
+    with open(args.jsonl, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)[args.json_key]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise InferenceError(f"{args.jsonl}:{number}: not a JSON object with a string "
+                                     f"{args.json_key!r}") from None  # fmt: skip
+            if not isinstance(text, str):
+                raise InferenceError(f"{args.jsonl}:{number}: {args.json_key!r} is not a string")
+            documents.append(tokenizer.tokenize(text))
+            if limit is not None and len(documents) == limit:
+                break
+    return documents
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model, tokenizer = load_from_args(args)
+    window = args.seq_length or model.model.max_position_embeddings
+    if not 0 < window <= model.model.max_position_embeddings:
+        raise InferenceError(
+            f"--seq-length ({window}) must be in [1, "
+            f"{model.model.max_position_embeddings}] (the model's positions)"
+        )
+    documents = read_documents(args, tokenizer)
+    if args.documents == "concatenated":
+        eod = [] if tokenizer.eod is None else [tokenizer.eod]
+        documents = [[t for d in documents for t in (d if args.data_path else d + eod)]]
+    scores = [score_tokens(model, d, window=window, fixed_tau=args.fixed_tau) for d in documents]
+    summary = summarise(scores)
+    summary.update(documents=len(documents) if args.documents == "separate" else None,
+                   tau_source="fixed" if args.fixed_tau is not None else "tempnet")  # fmt: skip
+    if dist.get_rank() == 0:
+        print(json.dumps(summary))
+        if args.output:
+            _write(args.output, json.dumps(summary, indent=2) + "\n")
+        if args.per_token_output:
+            rows = [json.dumps({"index": i, "targets": s.targets, "ce": s.ce,
+                                "tllm_logprob": [-x for x in s.tllm_ce], "tau": s.tau})
+                    for i, s in enumerate(scores)]  # fmt: skip
+            _write(args.per_token_output, "".join(r + "\n" for r in rows))
+    dist.barrier()
+    return 0
+
+
+def _write(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".partial", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".partial", path)
+
+
+if __name__ == "__main__":
+    sys.exit(run_tool(main, user_errors()))

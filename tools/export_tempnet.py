@@ -1,0 +1,46 @@
+"""Export TempNet alone from a checkpoint (any TP x PP) for use outside this project.
+
+    python tools/export_tempnet.py --load checkpoints/run --output tempnet/
+
+writes ``tempnet/tempnet.safetensors`` (the full network: ``weight1 [d1, V]``, ``bias1``,
+``weight2 [d2, d1]``, ``pooling.w3``, ``pooling.bias``, ``pooling.log_phi``) and
+``tempnet/tempnet_config.json`` (``vocab_size``, ``d1``, ``d2``, ``tau0``, ``tau_max``, the input
+normalisation and the run's loss settings). TempNet's checkpoint state is TP-agnostic, so the
+export of a TP = 4 run is the same network as the export of a TP = 1 run. Use it with
+``megatron_tempnet.inference.hf.TempNetLogitsProcessor`` or ``tools/generate.py --tempnet``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_tempnet.data.cli import run_tool
+from megatron_tempnet.inference.checkpoint_io import CheckpointReader
+from megatron_tempnet.tempnet.export import TempNetFileError, export_tempnet
+from megatron_tempnet.training.checkpoint import CheckpointError
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--load", required=True, help="checkpoint directory (its 'latest')")
+    p.add_argument("--output", required=True, help="directory to write TempNet to")
+    args = p.parse_args(argv)
+    reader = CheckpointReader(args.load)
+    if not reader.has_tempnet():
+        raise CheckpointError(f"--load {args.load}: {reader.path} holds no TempNet "
+                              "(a run with --tau-source tempnet saves one)")  # fmt: skip
+    loss = reader.config.get("loss", {})
+    trained_with = {k: loss.get(k) for k in ("loss", "rho", "tau_min", "tau_max", "stop_grad")}
+    trained_with["checkpoint"] = reader.path
+    config = export_tempnet(reader.tempnet_state(), args.output, tau_min=loss["tau_min"],
+                            tau_max=loss["tau_max"], trained_with=trained_with)  # fmt: skip
+    print(
+        f"wrote {args.output}: TempNet d1={config['d1']} d2={config['d2']} over "
+        f"{config['vocab_size']} tokens, tau in [{config['tau0']}, {config['tau_max']}]"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_tool(main, (CheckpointError, TempNetFileError)))
