@@ -23,7 +23,12 @@ import sys
 import torch.distributed as dist
 
 from megatron_tempnet.data.cli import run_tool
-from megatron_tempnet.inference.cli import add_model_args, load_from_args, user_errors
+from megatron_tempnet.inference.cli import (
+    add_model_args,
+    load_from_args,
+    user_errors,
+    write_atomic,
+)
 from megatron_tempnet.inference.evaluation import score_tokens, summarise
 from megatron_tempnet.inference.model import InferenceError
 
@@ -95,21 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     if dist.get_rank() == 0:
         print(json.dumps(summary))
         if args.output:
-            _write(args.output, json.dumps(summary, indent=2) + "\n")
+            write_atomic(args.output, json.dumps(summary, indent=2) + "\n")
         if args.per_token_output:
             rows = [json.dumps({"index": i, "targets": s.targets, "ce": s.ce,
                                 "tllm_logprob": [-x for x in s.tllm_ce], "tau": s.tau})
                     for i, s in enumerate(scores)]  # fmt: skip
-            _write(args.per_token_output, "".join(r + "\n" for r in rows))
+            write_atomic(args.per_token_output, "".join(r + "\n" for r in rows))
     dist.barrier()
     return 0
-
-
-def _write(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".partial", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(path + ".partial", path)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,12 @@ import sys
 import torch.distributed as dist
 
 from megatron_tempnet.data.cli import run_tool
-from megatron_tempnet.inference.cli import add_model_args, load_from_args, user_errors
+from megatron_tempnet.inference.cli import (
+    add_model_args,
+    load_from_args,
+    user_errors,
+    write_atomic,
+)
 from megatron_tempnet.inference.generation import GenerationError, generate, token_texts
 from megatron_tempnet.inference.sampling import SamplingConfig
 
@@ -115,10 +120,7 @@ def _write(records: list[dict], path: str | None) -> None:
     if path is None:
         sys.stdout.write(text)
         return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".partial", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(path + ".partial", path)
+    write_atomic(path, text)
 
 
 if __name__ == "__main__":

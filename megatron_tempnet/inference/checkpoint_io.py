@@ -196,6 +196,7 @@ def write_checkpoint(
         for rank in range(tp):
             module = {"lm." + k: v for k, v in sharded(rank, names).items()}
             _save(_mp_state(module, tp, run_config), out, f"mp_rank_{rank:02d}_model_states.pt")
+            del module  # one rank's share in memory at a time
     else:
         for index in range(model.num_layers + 3 + model.untie_embeddings_and_output_weights):
             keys = [n for n in names if n.startswith(f"pieces.{index}.")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -73,3 +74,11 @@ def user_errors() -> tuple[type[Exception], ...]:
     from megatron_tempnet.training.checkpoint import CheckpointError
 
     return (InferenceError, CheckpointError, TokenizerError, TempNetFileError, ModelConfigError)
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write ``text`` under a temporary name, then rename: a failure leaves no partial file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".partial", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".partial", path)
