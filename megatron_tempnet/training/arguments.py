@@ -47,11 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--disable-bias-linear", action="store_true", default=None)
     add_data_args(p, seq_length_default=None)  # None: the preset's
     add_tokenizer_args(p)
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--zero-stage", type=int, default=0)
-    g.add_argument("--deepspeed-config")
     g = p.add_argument_group("loss and TempNet")
     g.add_argument("--loss", choices=LOSSES, default="dro")
     g.add_argument("--tau-source", choices=TAU_SOURCES, default="tempnet")
@@ -65,15 +60,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tempnet-weight-decay", type=float)
     g.add_argument("--no-tempnet-stop-grad", action="store_true")
     g.add_argument("--freeze-lm", action="store_true")
+    add_common_args(p)
+    return p
+
+
+def add_common_args(p: argparse.ArgumentParser, *, lr: float = 6e-4,
+                    weight_decay: float = 0.1, adam_beta2: float = 0.95) -> None:  # fmt: skip
+    """Parallelism, optimizer, training, checkpoint and logging flags (every entry point)."""
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--zero-stage", type=int, default=0)
+    g.add_argument("--deepspeed-config")
     g = p.add_argument_group("optimizer and schedule")
-    g.add_argument("--lr", type=float, default=6e-4)
+    g.add_argument("--lr", type=float, default=lr)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-warmup-fraction", type=float)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int)
-    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=weight_decay)
     g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-beta2", type=float, default=adam_beta2)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g = p.add_argument_group("training")
@@ -106,7 +113,43 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--tensorboard-dir")
     g.add_argument("--metrics-file")
-    return p
+
+
+def common_configs(args: argparse.Namespace, **training) -> dict:
+    """The configs every run shares, from ``add_common_args``'s flags; ``training`` adds the
+    entry point's own ``TrainingConfig`` fields."""
+    warmup_fraction = args.lr_warmup_fraction
+    if warmup_fraction is None and not args.lr_warmup_iters:
+        warmup_fraction = 0.01  # the paper's Table 5
+    return dict(
+        parallel=ParallelConfig(args.tensor_model_parallel_size,
+                                args.pipeline_model_parallel_size, args.zero_stage,
+                                args.deepspeed_config),
+        optimizer=OptimizerConfig(
+            lr=args.lr, min_lr=args.min_lr, lr_warmup_fraction=warmup_fraction,
+            lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters,
+            weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+            tempnet_lr=args.tempnet_lr, tempnet_weight_decay=args.tempnet_weight_decay,
+        ),
+        training=TrainingConfig(
+            train_iters=args.train_iters, micro_batch_size=args.micro_batch_size,
+            global_batch_size=args.global_batch_size, eval_interval=args.eval_interval,
+            eval_iters=args.eval_iters, seed=args.seed, bf16=args.bf16, fp16=args.fp16,
+            recompute_activations=args.recompute_activations,
+            tempnet_proj_size=args.tempnet_proj_size, **training,
+        ),
+        checkpoint=CheckpointConfig(
+            save=args.save, save_interval=args.save_interval, load=args.load,
+            finetune=args.finetune, no_load_optim=args.no_load_optim,
+            exit_interval=args.exit_interval, keep_last=args.keep_last,
+            exit_duration_in_mins=args.exit_duration_in_mins,
+            pretrained_checkpoint=args.pretrained_checkpoint,
+        ),
+        logging=LoggingConfig(log_interval=args.log_interval,
+                              tensorboard_dir=args.tensorboard_dir,
+                              metrics_file=args.metrics_file),
+    )  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -124,9 +167,6 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         overrides["max_position_embeddings"] = max(
             args.seq_length, PRESETS[args.model]["max_position_embeddings"]
         )
-    warmup_fraction = args.lr_warmup_fraction
-    if warmup_fraction is None and not args.lr_warmup_iters:
-        warmup_fraction = 0.01  # the paper's Table 5
     return RunConfig(
         model=ModelConfig.from_preset(args.model, **overrides),
         loss=LossConfig(loss=args.loss, tau_source=args.tau_source, fixed_tau=args.fixed_tau,
@@ -134,34 +174,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                         tau_max=args.tempnet_tau_max, stop_grad=not args.no_tempnet_stop_grad),
         data=data_config_from_args(args),
         tokenizer=tokenizer_spec(args),
-        parallel=ParallelConfig(args.tensor_model_parallel_size,
-                                args.pipeline_model_parallel_size, args.zero_stage,
-                                args.deepspeed_config),
-        optimizer=OptimizerConfig(
-            lr=args.lr, min_lr=args.min_lr, lr_warmup_fraction=warmup_fraction,
-            lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters,
-            weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-            tempnet_lr=args.tempnet_lr, tempnet_weight_decay=args.tempnet_weight_decay,
-        ),
-        training=TrainingConfig(
-            train_iters=args.train_iters, micro_batch_size=args.micro_batch_size,
-            global_batch_size=args.global_batch_size, eval_interval=args.eval_interval,
-            eval_iters=args.eval_iters, seed=args.seed, bf16=args.bf16, fp16=args.fp16,
-            recompute_activations=args.recompute_activations, freeze_lm=args.freeze_lm,
-            tempnet_hidden_size=args.tempnet_hidden_size,
-            tempnet_proj_size=args.tempnet_proj_size,
-        ),
-        checkpoint=CheckpointConfig(
-            save=args.save, save_interval=args.save_interval, load=args.load,
-            finetune=args.finetune, no_load_optim=args.no_load_optim,
-            exit_interval=args.exit_interval, keep_last=args.keep_last,
-            exit_duration_in_mins=args.exit_duration_in_mins,
-            pretrained_checkpoint=args.pretrained_checkpoint,
-        ),
-        logging=LoggingConfig(log_interval=args.log_interval,
-                              tensorboard_dir=args.tensorboard_dir,
-                              metrics_file=args.metrics_file),
+        **common_configs(args, freeze_lm=args.freeze_lm,
+                         tempnet_hidden_size=args.tempnet_hidden_size),
     )  # fmt: skip
 
 

@@ -2,7 +2,8 @@
 
 A checkpoint ``SAVE/iter_0000010/`` holds the engine's files (LM and TempNet weights, optimizer,
 per model-parallel rank), and ``client_state`` with the iteration, the data position and the
-resolved config; every rank adds its own RNG states (``rng_rank{r}.pt``). The learning rate is a
+resolved config; every rank adds its own RNG states and task state, e.g. its shard of CLIP's
+per-sample state (``rng_rank{r}.pt``). The learning rate is a
 function of the iteration, so it needs no state. ``SAVE/latest`` names the newest complete
 checkpoint: it is replaced atomically only after every rank has finished writing, so a crash
 during a save leaves the previous checkpoint as ``latest``.
@@ -56,17 +57,19 @@ def _set_rng_state(state: dict) -> None:
 
 def save_checkpoint(
     engine, save_dir: str, iteration: int, client_state: dict, keep_last: int,
-    exclude_frozen: bool = False,
+    exclude_frozen: bool = False, rank_state: dict | None = None,
 ):  # fmt: skip
     """Save on every rank (collective); publish ``latest`` when all ranks are done.
 
     ``exclude_frozen``: leave out parameters that do not train (the frozen LM).
+    ``rank_state``: this rank's own state (CLIP's per-sample state shard), saved with its RNG.
     """
     tag = tag_for(iteration)
     state = dict(client_state, iteration=iteration)
     engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False,
                            exclude_frozen_parameters=exclude_frozen)  # fmt: skip
-    torch.save(_rng_state(), os.path.join(save_dir, tag, f"rng_rank{dist.get_rank()}.pt"))
+    torch.save({**_rng_state(), "rank_state": rank_state},
+               os.path.join(save_dir, tag, f"rng_rank{dist.get_rank()}.pt"))  # fmt: skip
     if exclude_frozen and dist.get_rank() == 0:
         with open(os.path.join(save_dir, tag, FROZEN_LM_EXCLUDED), "w") as f:
             f.write("This checkpoint holds TempNet, not the frozen LM: resume it with "
@@ -149,7 +152,9 @@ def load_checkpoint(
         return None
     rng_file = os.path.join(load_dir, tag, f"rng_rank{dist.get_rank()}.pt")
     if os.path.isfile(rng_file):
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        rank_file = torch.load(rng_file, weights_only=False)
+        _set_rng_state(rank_file)
+        client_state["rank_state"] = rank_file.get("rank_state")
     log_rank0("resumed from %s at iteration %d", path, client_state["iteration"])
     return client_state
 

@@ -119,17 +119,8 @@ class LoggingConfig:
     """--metrics-file: one JSON object per logged iteration is appended here."""
 
 
-@dataclass
-class RunConfig:
-    model: ModelConfig
-    loss: LossConfig
-    data: GPTDataConfig
-    tokenizer: dict
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
+class RunShape:
+    """What every run's config answers (GPT's ``RunConfig``, CLIP's ``CLIPRunConfig``)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -143,8 +134,45 @@ class RunConfig:
         return t.global_batch_size // (t.micro_batch_size * self.data_parallel_size(world_size))
 
 
+@dataclass
+class RunConfig(RunShape):
+    model: ModelConfig
+    loss: LossConfig
+    data: GPTDataConfig
+    tokenizer: dict
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
 def validate(config: RunConfig, world_size: int) -> None:
     """All cross-flag checks, before anything is built; fills derived defaults."""
+    t, pp = config.training, config.parallel.pipeline_model_parallel_size
+    if pp > 1 and config.model.num_layers % pp:
+        raise ConfigError(
+            f"--num-layers ({config.model.num_layers}) must be divisible by "
+            f"--pipeline-model-parallel-size ({pp})"
+        )
+    validate_common(config, world_size)
+    if t.freeze_lm and not config.loss.uses_tempnet:
+        raise ConfigError(
+            "--freeze-lm trains TempNet only: it needs --tau-source tempnet (nothing else learns)"
+        )
+    if t.freeze_lm and not config.loss.stop_grad:
+        raise ConfigError("--freeze-lm and --no-tempnet-stop-grad contradict each other")
+    config.loss.validate()
+    config.model.validate(config.parallel.tensor_model_parallel_size)
+    if config.model.seq_length != config.data.seq_length:
+        raise ConfigError(
+            f"the model's --seq-length ({config.model.seq_length}) and the data's "
+            f"({config.data.seq_length}) differ"
+        )
+
+
+def validate_common(config: RunShape, world_size: int) -> None:
+    """The checks of the parallel layout, batch, precision, optimizer and checkpoint flags."""
     p, t, o = config.parallel, config.training, config.optimizer
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     if p.zero_stage not in (0, 1, 2, 3):
@@ -153,11 +181,6 @@ def validate(config: RunConfig, world_size: int) -> None:
         raise ConfigError(
             f"--zero-stage {p.zero_stage} cannot shard gradients across pipeline stages "
             f"(--pipeline-model-parallel-size {pp}): use --zero-stage 0 or 1 with PP > 1"
-        )
-    if pp > 1 and config.model.num_layers % pp:
-        raise ConfigError(
-            f"--num-layers ({config.model.num_layers}) must be divisible by "
-            f"--pipeline-model-parallel-size ({pp})"
         )
     if tp < 1 or pp < 1 or world_size % (tp * pp):
         raise ConfigError(
@@ -188,20 +211,7 @@ def validate(config: RunConfig, world_size: int) -> None:
         o.tempnet_lr = o.lr
     if o.tempnet_weight_decay is None:
         o.tempnet_weight_decay = o.weight_decay
-    if t.freeze_lm and not config.loss.uses_tempnet:
-        raise ConfigError(
-            "--freeze-lm trains TempNet only: it needs --tau-source tempnet (nothing else learns)"
-        )
-    if t.freeze_lm and not config.loss.stop_grad:
-        raise ConfigError("--freeze-lm and --no-tempnet-stop-grad contradict each other")
     _validate_checkpointing(config.checkpoint)
-    config.loss.validate()
-    config.model.validate(tp)
-    if config.model.seq_length != config.data.seq_length:
-        raise ConfigError(
-            f"the model's --seq-length ({config.model.seq_length}) and the data's "
-            f"({config.data.seq_length}) differ"
-        )
 
 
 def _validate_checkpointing(ckpt: CheckpointConfig) -> None:

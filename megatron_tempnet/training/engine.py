@@ -21,6 +21,7 @@ from megatron_tempnet.distributed import apply_cpu_support
 from megatron_tempnet.distributed.mpu import MegatronMPU
 from megatron_tempnet.models.gpt_layers import build_gpt_model, seed_rngs
 from megatron_tempnet.tempnet import TempNetLM
+from megatron_tempnet.tempnet.clip import TempNetCLIP
 from megatron_tempnet.training.config import ConfigError, OptimizerConfig, RunConfig
 from megatron_tempnet.training.loss import LossConfig, TokenLosses, token_losses
 
@@ -132,8 +133,10 @@ def param_groups(module: torch.nn.Module, opt: OptimizerConfig) -> list[dict]:
 
 
 def split_parameters(module: torch.nn.Module) -> tuple[list, list]:
-    """(LM parameters, TempNet parameters) of a ``TrainModule`` or a pipeline stage."""
-    tempnet = {id(p) for m in module.modules() if isinstance(m, TempNetLM) for p in m.parameters()}
+    """(model parameters, TempNet parameters) of a ``TrainModule``, a pipeline stage or CLIP's
+    module (its image and text TempNets)."""
+    tempnets = [m for m in module.modules() if isinstance(m, (TempNetLM, TempNetCLIP))]
+    tempnet = {id(p) for m in tempnets for p in m.parameters()}
     placeholder = getattr(module, "tempnet_group_placeholder", None)
     if placeholder is not None:
         tempnet.add(id(placeholder))
@@ -197,7 +200,8 @@ def build_engine(module: TrainModule, config: RunConfig, world_size: int):
         config=deepspeed_config(config, world_size),
         mpu=MegatronMPU(),
     )
-    if config.parallel.zero_stage == 3 and not config.model.untie_embeddings_and_output_weights:
+    tied = isinstance(module, TrainModule) and not config.model.untie_embeddings_and_output_weights
+    if config.parallel.zero_stage == 3 and tied:
         # the output layer multiplies by the embedding's (ZeRO-3-partitioned) weight outside
         # the embedding's own forward: tell ZeRO-3 to gather it for the output layer too
         embedding = module.lm.embedding

@@ -32,6 +32,11 @@ class StepStats:
     tau_min: float
     tau_max: float
     tau_sample: torch.Tensor  # this rank's unmasked taus of the last micro-batch (histograms)
+    unit = "tokens"  # what the loop's throughput counts
+
+    @property
+    def count(self) -> float:
+        return self.tokens
 
     def metrics(self) -> dict:
         mean = self.tau_sum / self.tokens
@@ -164,9 +169,9 @@ def clip_gradients(parameters, clip_grad: float) -> float:
     return norm
 
 
-def check_finite(stats: StepStats, grad_norm: float | None, iteration: int) -> None:
+def check_finite(stats, grad_norm: float | None, iteration: int) -> None:
     rank = dist.get_rank()
-    loss = stats.loss_sum / stats.tokens
+    loss = stats.metrics()["loss"]
     if not math.isfinite(loss):
         raise TrainingError(f"iteration {iteration}: the loss is {loss} (rank {rank}); stopping")
     if grad_norm is not None and not math.isfinite(grad_norm):
