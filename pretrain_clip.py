@@ -1,0 +1,46 @@
+"""Train a CLIP model (ViT + text transformer) with TempNet or a baseline contrastive loss.
+
+    torchrun --nproc-per-node 8 pretrain_clip.py --model vit-b-16 \
+        --train-data cc3m_train.csv --valid-data coco_karpathy_test.csv --label-key image_id \
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model clip-tokenizer/ \
+        --micro-batch-size 64 --train-iters 100000 --lr-warmup-iters 1000 \
+        --clip-loss tempnet --tempnet-rho 8 --tempnet-lr 1e-4 --save ckpt --save-interval 1000
+
+Losses: --clip-loss clip | sogclr | isogclr | tempnet | tau. Run `python pretrain_clip.py
+--help` for every flag.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+# NVIDIA apex and Transformer Engine are optional GPU accelerators: their absence is expected.
+warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed")
+
+from megatron_tempnet.data.cli import run_tool  # noqa: E402
+from megatron_tempnet.data.image_text import ImageTextDataError  # noqa: E402
+from megatron_tempnet.models.gpt import ModelConfigError  # noqa: E402
+from megatron_tempnet.training.checkpoint import CheckpointError  # noqa: E402
+from megatron_tempnet.training.clip_arguments import (  # noqa: E402
+    build_clip_parser,
+    clip_config_from_args,
+)
+from megatron_tempnet.training.clip_module import CLIPLossConfigError  # noqa: E402
+from megatron_tempnet.training.clip_task import CLIPTask  # noqa: E402
+from megatron_tempnet.training.config import ConfigError  # noqa: E402
+from megatron_tempnet.training.loop import pretrain  # noqa: E402
+from megatron_tempnet.training.sample_state import SampleStateError  # noqa: E402
+from megatron_tempnet.training.step import TrainingError  # noqa: E402
+
+USER_ERRORS = (ConfigError, ModelConfigError, CLIPLossConfigError, TrainingError,
+               CheckpointError, ImageTextDataError, SampleStateError)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = clip_config_from_args(build_clip_parser().parse_args(argv))
+    return pretrain(config, CLIPTask()).exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(run_tool(main, USER_ERRORS))

@@ -1,0 +1,177 @@
+"""pretrain_clip.py end to end under torchrun, on scikit-learn's digits with template captions:
+DP = 2 equals DP = 1 for every --clip-loss, TP = 2 equals TP = 1, exact resume with the
+per-sample state, clear errors for bad flags and bad data."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_tempnet.data.digits import write_digits_dataset
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LOSSES = ("clip", "sogclr", "isogclr", "tempnet", "tau")
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    import sentencepiece as spm
+
+    out = tmp_path_factory.mktemp("digits")
+    paths = write_digits_dataset(str(out / "data"))
+    with open(paths["train"]) as f:
+        captions = [line.rsplit(",", 1)[0].split(",", 1)[1] for line in f.readlines()[1:]]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(captions + ["random"]), model_prefix=str(out / "sp"),
+        vocab_size=64, model_type="word", hard_vocab_limit=False, minloglevel=2,
+    )  # fmt: skip
+    return {**paths, "tokenizer": str(out / "sp.model")}
+
+
+def _args(digits, tmp, **flags) -> list[str]:
+    base = {
+        "train-data": digits["test"], "valid-data": digits["test"], "label-key": "label",
+        "tokenizer-type": "SentencePieceTokenizer", "tokenizer-model": digits["tokenizer"],
+        "embed-dim": 32, "vision-hidden-size": 32, "text-hidden-size": 32,
+        "train-iters": 10, "micro-batch-size": 8, "global-batch-size": 8, "log-interval": 1,
+        "eval-interval": 0, "tempnet-proj-size": 16, "lr": 2e-3, "tau-init": 0.03,
+        "tempnet-lr": 1e-3, "isogclr-tau-lr": 0.002, "seed": 5,
+        "metrics-file": str(tmp / "metrics.jsonl"), "image-mean": 0.5, "image-std": 0.5,
+    }  # fmt: skip
+    base.update(flags)
+    out = []
+    for key, value in base.items():
+        if value is True:
+            out.append(f"--{key}")
+        elif value is not None and value is not False:
+            out += [f"--{key}", str(value)]
+    return out
+
+
+def _pretrain(nproc: int, args: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    launcher = [] if nproc == 0 else ["-m", "torch.distributed.run", "--standalone",
+                                      f"--nproc-per-node={nproc}"]  # fmt: skip
+    cmd = [sys.executable, *launcher, os.path.join(REPO, "pretrain_clip.py"), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if check:
+        assert r.returncode == 0, r.stderr[-4000:]
+    return r
+
+
+def _rows(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def _curve(path) -> list[dict]:
+    return [row for row in _rows(path) if "loss" in row]
+
+
+def _assert_same_curve(got: list[dict], expected: list[dict], rtol: float) -> None:
+    assert len(got) == len(expected) == 10
+    for a, b in zip(got, expected):
+        for key in ("loss", "tau_mean", "tau_min", "tau_max", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=rtol, abs=1e-7), (a["iteration"], key)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_dp2_equals_dp1_and_training_moves(digits, tmp_path, loss):
+    one, two = tmp_path / "dp1", tmp_path / "dp2"
+    one.mkdir(), two.mkdir()
+    _pretrain(1, _args(digits, one, **{"clip-loss": loss}))
+    _pretrain(2, _args(digits, two, **{"clip-loss": loss, "micro-batch-size": 4}))
+    expected, got = _curve(one / "metrics.jsonl"), _curve(two / "metrics.jsonl")
+    _assert_same_curve(got, expected, rtol=1e-4)
+    assert expected[-1]["loss"] < expected[0]["loss"]
+    final = [r for r in _rows(one / "metrics.jsonl") if "val_ir@1" in r]
+    assert len(final) == 1 and final[0]["iteration"] == 10  # evaluated at the end
+
+
+@pytest.mark.parametrize("loss", ["tempnet", "isogclr"])
+def test_tp2_equals_tp1(digits, tmp_path, loss):
+    one, two = tmp_path / "tp1", tmp_path / "tp2"
+    one.mkdir(), two.mkdir()
+    # the padded vocabulary is 128 in both layouts, so both start from the same weights
+    _pretrain(1, _args(digits, one, **{"clip-loss": loss, "make-vocab-size-divisible-by": 128}))
+    _pretrain(2, _args(digits, two, **{"clip-loss": loss, "tensor-model-parallel-size": 2,
+                                       "make-vocab-size-divisible-by": 64}))  # fmt: skip
+    _assert_same_curve(_curve(two / "metrics.jsonl"), _curve(one / "metrics.jsonl"), rtol=1e-4)
+
+
+def _saved(save_dir, iteration: int) -> dict:
+    """Per rank: the per-sample state shard; and the model's TempNet/temperature tensors."""
+    tag = os.path.join(save_dir, f"iter_{iteration:07d}")
+    out = {}
+    for rank in (0, 1):
+        state = torch.load(os.path.join(tag, f"rng_rank{rank}.pt"), weights_only=False)
+        out[f"state{rank}"] = state["rank_state"]["sample_state"]
+    module = torch.load(os.path.join(tag, "mp_rank_00_model_states.pt"), weights_only=False)
+    out["module"] = module["module"]
+    return out
+
+
+@pytest.mark.parametrize("loss", ["isogclr", "tempnet"])
+def test_resume_is_exact_with_the_per_sample_state(digits, tmp_path, loss):
+    """20 iterations straight equal 10 + exit + resume 10 (DP = 2: the state is sharded)."""
+    flags = {"clip-loss": loss, "train-iters": 20, "micro-batch-size": 4, "zero-stage": 1}
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    straight.mkdir(), split.mkdir()
+    _pretrain(2, _args(digits, straight, save=straight / "ckpt", **flags))
+    _pretrain(2, _args(digits, split, save=split / "ckpt", load=split / "ckpt",
+                       **{"exit-interval": 10}, **flags))  # fmt: skip
+    _pretrain(2, _args(digits, split, save=split / "ckpt", load=split / "ckpt", **flags))
+    a, b = _curve(straight / "metrics.jsonl"), _curve(split / "metrics.jsonl")
+    assert [r["iteration"] for r in b] == list(range(1, 21))
+    for x, y in zip(a, b):
+        for key in ("loss", "tau_mean", "tau_min", "tau_max", "grad_norm"):
+            assert x[key] == y[key], (x["iteration"], key)
+    first, second = _saved(straight / "ckpt", 20), _saved(split / "ckpt", 20)
+    for rank in (0, 1):
+        s1, s2 = first[f"state{rank}"], second[f"state{rank}"]
+        assert s1["seen"].sum() > 0 and torch.equal(s1["seen"], s2["seen"])
+        assert torch.equal(s1["values"], s2["values"])
+    assert first["module"].keys() == second["module"].keys()
+    tensors = [k for k, v in first["module"].items() if torch.is_tensor(v)]
+    assert any("tempnets" in k or "log_tau" in k for k in tensors) or loss == "isogclr"
+    for key in tensors:
+        assert torch.equal(first["module"][key], second["module"][key]), key
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"global-batch-size": 16}, "no gradient accumulation"),
+        ({"pipeline-model-parallel-size": 2}, "tensor and data parallelism only"),
+        ({"clip-loss": "isogclr", "tau-init": 0.2}, "--tau-init .0.2. must lie in"),
+        ({"patch-size": 5}, "--image-size .16. must be divisible by --patch-size .5."),
+        ({"tempnet-proj-size": 1000, "clip-loss": "tempnet"}, "lower --tempnet-proj-size"),
+    ],
+)
+def test_flag_errors_are_one_line(digits, tmp_path, flags, message):
+    r = _pretrain(0, _args(digits, tmp_path, **flags), check=False)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    assert re.search(message, r.stderr.strip().splitlines()[-1]), r.stderr[-2000:]
+
+
+def test_bad_rows_stop_or_are_counted(digits, tmp_path):
+    rows = open(digits["test"]).read().splitlines()
+    rows[3] = "images/missing.png,a handwritten digit two,two"
+    manifest = tmp_path / "bad.csv"
+    manifest.write_text("\n".join(rows) + "\n")
+    # the images live beside the original manifest: link them for the copy
+    os.symlink(os.path.join(os.path.dirname(digits["test"]), "images"), tmp_path / "images")
+    r = _pretrain(0, _args(digits, tmp_path, **{"train-data": manifest}), check=False)
+    assert r.returncode == 1
+    assert re.search(r"bad.csv:4: image .*missing.png does not exist; .*--skip-bad-samples",
+                     r.stderr), r.stderr[-2000:]  # fmt: skip
+    r = _pretrain(0, _args(digits, tmp_path, **{"train-data": manifest, "train-iters": 2,
+                                                "skip-bad-samples": True}))  # fmt: skip
+    assert re.search(r"skipped 1 of 359 pairs; the first: .*bad.csv:4", r.stderr)
