@@ -1,7 +1,7 @@
 # Shared by the sbatch scripts in examples/ (sourced, not run): where the code is, which device,
 # and an srun launch that turns a preemption into a requeue.
 #
-# pretrain_gpt.py exits with status 75 when it stopped early at a checkpoint (SIGUSR1 or SIGTERM,
+# pretrain_gpt.py (and pretrain_clip.py) exits with status 75 when it stopped early at a checkpoint (SIGUSR1 or SIGTERM,
 # or --exit-duration-in-mins); tempnet_launch then requeues the job, and the requeued job resumes
 # from the checkpoint directory's `latest`.
 
@@ -36,14 +36,14 @@ tempnet_init() {
     echo "job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}): ${NODES} node(s) x ${NPROC_PER_NODE} tasks on ${DEVICE}"
 }
 
-# tempnet_launch FLAGS...: pretrain_gpt.py FLAGS on every task of the allocation (srun sets each
+# tempnet_launch FLAGS...: the entry point (ENTRY [pretrain_gpt.py], or pretrain_clip.py) with FLAGS on every task of the allocation (srun sets each
 # task's rank; the rendezvous is the first node). A signal sent to the batch shell only
 # (--signal=B:USR1@...) is passed on to the tasks. Returns pretrain_gpt.py's status; on 75 the
 # job is requeued first.
 tempnet_launch() {
     srun --nodes="$NODES" --ntasks-per-node="$NPROC_PER_NODE" \
         --ntasks=$((NODES * NPROC_PER_NODE)) --kill-on-bad-exit=1 \
-        "$PYTHON" "$REPO/pretrain_gpt.py" "$@" &
+        "$PYTHON" "$REPO/${ENTRY:-pretrain_gpt.py}" "$@" &
     local pid=$! status
     trap 'kill -USR1 $pid 2>/dev/null' USR1
     trap 'kill -TERM $pid 2>/dev/null' TERM

@@ -2,8 +2,8 @@
 
 ``--clip-loss`` (DESIGN.md §2; both sides, images and texts, as anchors):
 
-- ``clip``: InfoNCE with one learnable global tau (``exp`` of a parameter, clamped to the tau
-  range), trained with the model;
+- ``clip``: InfoNCE with one learnable global tau (``exp`` of a parameter, clamped below at
+  ``--tempnet-tau-min``), trained with the model;
 - ``sogclr``: the global contrastive loss with a fixed tau (``--tau-init``) and the
   moving-average estimator ``s``;
 - ``isogclr``: the robust global contrastive loss with one tau per sample, kept in the
@@ -168,6 +168,11 @@ class CLIPTrainModule(nn.Module):
             return self._robust(sims, embeddings, positive, state, seen)
         return self._info_nce(sims, embeddings, positive)
 
+    def global_tau(self) -> torch.Tensor:
+        """CLIP's learnable tau ``[1]``, clamped below at ``tau_min`` (as OpenCLIP clamps its
+        logit scale), not above."""
+        return self.log_tau.exp().clamp(min=self.loss_config.tau_min)
+
     @torch.no_grad()
     def encode(self, images=None, tokens=None, lengths=None) -> dict:
         """Normalised embeddings ``[n, d]`` of the given images and/or texts, with the
@@ -189,8 +194,7 @@ class CLIPTrainModule(nn.Module):
                 a = self.tau_heads[side](e)
                 out[f"{side}_tau"], out[f"{side}_score"] = cfg.tau_init / torch.sigmoid(a), -a
             elif self.log_tau is not None:
-                out[f"{side}_tau"] = self.log_tau.exp().clamp(cfg.tau_min, cfg.tau_max).expand(
-                    e.shape[0])  # fmt: skip
+                out[f"{side}_tau"] = self.global_tau().expand(e.shape[0])
         return out
 
     def _info_nce(self, sims, embeddings, positive) -> CLIPOutput:
@@ -198,7 +202,7 @@ class CLIPTrainModule(nn.Module):
         losses, taus, scores = [], [], []
         for side in ("image", "text"):
             if self.tau_heads is None:  # clip: one global tau
-                tau = self.log_tau.exp().clamp(cfg.tau_min, cfg.tau_max).expand(n)
+                tau = self.global_tau().expand(n)
             else:  # TaU: 1 / tau = sigmoid(a) / tau_init
                 a = self.tau_heads[side](embeddings[side])
                 tau = cfg.tau_init / torch.sigmoid(a)

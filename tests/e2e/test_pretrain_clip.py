@@ -85,13 +85,22 @@ def _assert_same_curve(got: list[dict], expected: list[dict], rtol: float) -> No
 def test_dp2_equals_dp1_and_training_moves(digits, tmp_path, loss):
     one, two = tmp_path / "dp1", tmp_path / "dp2"
     one.mkdir(), two.mkdir()
-    _pretrain(1, _args(digits, one, **{"clip-loss": loss}))
-    _pretrain(2, _args(digits, two, **{"clip-loss": loss, "micro-batch-size": 4}))
+    ood = digits["test_5-9"] if loss in ("tau", "tempnet") else None
+    _pretrain(1, _args(digits, one, **{"clip-loss": loss, "ood-data": ood}))
+    _pretrain(2, _args(digits, two, **{"clip-loss": loss, "micro-batch-size": 4, "ood-data": ood}))
     expected, got = _curve(one / "metrics.jsonl"), _curve(two / "metrics.jsonl")
     _assert_same_curve(got, expected, rtol=1e-4)
     assert expected[-1]["loss"] < expected[0]["loss"]
     final = [r for r in _rows(one / "metrics.jsonl") if "val_ir@1" in r]
     assert len(final) == 1 and final[0]["iteration"] == 10  # evaluated at the end
+    final_dp2 = [r for r in _rows(two / "metrics.jsonl") if "val_ir@1" in r][0]
+    for key in ("val_ir@1", "val_tr@5", "val_zeroshot_top1"):
+        assert final_dp2[key] == pytest.approx(final[0][key], abs=0.6)  # <= 2 rank flips
+    if ood:  # the temperature's OOD AUROC, the same whatever the layout
+        assert 0 <= final[0]["val_ood_auroc_image"] <= 1
+        assert final_dp2["val_ood_auroc_text"] == pytest.approx(
+            final[0]["val_ood_auroc_text"], abs=1e-3
+        )
 
 
 @pytest.mark.parametrize("loss", ["tempnet", "isogclr"])

@@ -60,6 +60,24 @@ def llama_lm(tmp_path_factory):
             "DATA_PATH": prefix.prefix, "NPROC_PER_NODE": "2", "TP": "2"}  # fmt: skip
 
 
+def _clip_data(directory) -> dict:
+    """The digits pairs and a word-level SentencePiece tokenizer for run_clip_tempnet.sh."""
+    import sentencepiece as spm
+
+    from megatron_tempnet.data.digits import CAPTION_TEMPLATES, DIGIT_NAMES, write_digits_dataset
+
+    paths = write_digits_dataset(str(directory / "digits"))
+    captions = [t.format(name=n, digit=i) for t in CAPTION_TEMPLATES
+                for i, n in enumerate(DIGIT_NAMES)]  # fmt: skip
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(captions), model_prefix=str(directory / "digits_sp"),
+        vocab_size=64, model_type="word", hard_vocab_limit=False, minloglevel=2,
+    )  # fmt: skip
+    return {"TRAIN_DATA": paths["test"], "VALID_DATA": paths["test"], "LABEL_KEY": "label",
+            "TOKENIZER_TYPE": "SentencePieceTokenizer",
+            "TOKENIZER": str(directory / "digits_sp.model")}  # fmt: skip
+
+
 def _submit(cluster, script: str, env: dict, out: str, tasks: int = 2, *extra: str) -> str:
     args = [f"--ntasks-per-node={tasks}", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10",
             f"--output={out}", *extra, os.path.join(EXAMPLES, script)]  # fmt: skip
@@ -198,6 +216,11 @@ def test_every_other_script_runs_under_slurm(cluster, gpt2_data, llama_lm, tmp_p
                  f"--dependency=afterok:{gpt2}")  # fmt: skip
     llama7b = {**llama_lm, **iters, "RUN_DIR": str(tmp_path / "llama7b"), "NPROC_PER_NODE": "2"}
     l7 = _submit(cluster, "run_llama7b_tempnet.sh", llama7b, str(tmp_path / "l7.out"), 2)
+    clip = {**_clip_data(tmp_path), "RUN_DIR": str(tmp_path / "clip"), "TRAIN_ITERS": "3",
+            "MODEL": "clip-tiny", "EMBED_DIM": "32", "GLOBAL_BATCH": "8", "NPROC_PER_NODE": "1",
+            "DEVICE": "cpu", "REPO": REPO, "PYTHON": sys.executable,
+            "LOG_INTERVAL": "1"}  # fmt: skip
+    clip_job = _submit(cluster, "run_clip_tempnet.sh", clip, str(tmp_path / "clip.out"), 1)
     ablations = {**gpt2_data, "TRAIN_ITERS": "2", "ABLATION_DIR": str(tmp_path / "abl")}
     submit = ["bash", os.path.join(EXAMPLES, "run_ablations.sh"), "--ntasks-per-node=1",
               "--gpus-per-node=0", "--cpus-per-task=1", "--time=10",
@@ -205,15 +228,18 @@ def test_every_other_script_runs_under_slurm(cluster, gpt2_data, llama_lm, tmp_p
     r = subprocess.run(submit, env=dict(os.environ, **ablations), capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("Submitted batch job"), r.stderr
     array = r.stdout.split()[-1]
-    for job, name in [(gpt2, "gpt2"), (ft, "ft"), (l7, "l7")]:
+    for job, name in [(gpt2, "gpt2"), (ft, "ft"), (l7, "l7"), (clip_job, "clip")]:
         state = cluster.wait(job, timeout=600)
         assert state == "COMPLETED", (name, (tmp_path / f"{name}.out").read_text()[-3000:])
     for task in range(6):
         state = cluster.wait(f"{array}_{task}", timeout=600)
         assert state == "COMPLETED", (tmp_path / f"abl-{task}.out").read_text()[-3000:]
 
-    for run in ("gpt2", "finetune", "llama7b"):
+    for run in ("gpt2", "finetune", "llama7b", "clip"):
         assert [r["iteration"] for r in _rows(tmp_path / run / "metrics.jsonl")] == [1, 2, 3]
+    clip_config = json.loads((tmp_path / "clip" / "checkpoints" / "config.json").read_text())
+    assert clip_config["loss"]["clip_loss"] == "tempnet"
+    assert (clip_config["optimizer"]["lr"], clip_config["optimizer"]["adam_beta2"]) == (2e-4, 0.999)
     assert (
         "no checkpoint in --load yet: loading --pretrained-checkpoint"
         in (tmp_path / "ft.out").read_text()
