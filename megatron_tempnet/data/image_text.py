@@ -34,6 +34,8 @@ from megatron_tempnet.utils.logging import get_logger, warn_rank0
 
 logger = get_logger(__name__)
 
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's RGB normalisation
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 MANIFEST_SUFFIXES = (".csv", ".tsv", ".jsonl")
 
@@ -56,10 +58,11 @@ class ImageTextDataConfig:
     """The model's --image-size: images become [C, size, size]."""
     image_channels: int = 3
     """The model's --image-channels: 3 = RGB, 1 = grayscale."""
-    image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
-    """--image-mean: per channel (one value for all), OpenAI CLIP's by default."""
-    image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
-    """--image-std"""
+    image_mean: tuple[float, ...] | None = None
+    """--image-mean: per channel, or one value for all (default: OpenAI CLIP's for RGB, 0.5
+    for grayscale)."""
+    image_std: tuple[float, ...] | None = None
+    """--image-std (default: OpenAI CLIP's for RGB, 0.5 for grayscale)."""
     augment: bool = False
     """--image-augment: random resized crops seeded by (seed, epoch, index), not by rank."""
     context_length: int = 77
@@ -70,6 +73,22 @@ class ImageTextDataConfig:
     """--skip-bad-samples: count and report bad rows and images instead of stopping."""
     seed: int = 1234
     """--seed"""
+
+    def resolve_normalisation(self) -> None:
+        """Fill the default mean/std for the channel count; check the given ones fit it."""
+        rgb = self.image_channels == 3
+        if self.image_mean is None:
+            self.image_mean = CLIP_MEAN if rgb else (0.5,)
+        if self.image_std is None:
+            self.image_std = CLIP_STD if rgb else (0.5,)
+        for flag, values in (("--image-mean", self.image_mean), ("--image-std", self.image_std)):
+            if len(values) not in (1, self.image_channels):
+                raise ImageTextDataError(
+                    f"{flag} has {len(values)} values: give 1 or {self.image_channels} (the "
+                    f"model's --image-channels)"
+                )
+        if min(self.image_std) <= 0:
+            raise ImageTextDataError(f"--image-std {self.image_std} must be > 0")
 
 
 @dataclass
@@ -101,6 +120,7 @@ class ImageTextDataset:
     "tokens" [L] int64, "length", "index" (int64 scalars), "label" (str)}``."""
 
     def __init__(self, config: ImageTextDataConfig, tokenizer):
+        config.resolve_normalisation()
         self.config, self.tokenizer = config, tokenizer
         self.skipped, self._files = 0, {}
         reasons: list[str] = []

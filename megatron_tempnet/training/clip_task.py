@@ -103,6 +103,7 @@ class CLIPTask:
         d.image_size, d.image_channels, d.context_length = (
             m.image_size, m.image_channels, m.context_length)  # fmt: skip
         validate_clip(config, world_size)
+        d.resolve_normalisation()
         self.sample_state = None
 
     def _dataset(self, config: CLIPRunConfig, paths: list[str]) -> ImageTextDataset:

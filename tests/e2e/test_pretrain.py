@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.helpers.corpus import blend_corpus
+from tests.helpers.entry_points import cli_flags, run_entry_point
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,26 +34,11 @@ def _args(corpus, tmp, **flags) -> list[str]:
         "tempnet-hidden-size": 32, "tempnet-proj-size": 32, "tempnet-rho": 4, "lr": 1e-3,
         "data-cache-path": str(tmp / "cache"), "seed": 5,
     }  # fmt: skip
-    base.update(flags)
-    out = []
-    for key, value in base.items():
-        if value is True:
-            out.append(f"--{key}")
-        elif value is not None and value is not False:
-            out += [f"--{key}", str(value)]
-    return out
+    return cli_flags(base, **flags)
 
 
 def _pretrain(nproc: int, args: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    """torchrun with ``nproc`` ranks; ``nproc=0``: plain python (what a user sees directly)."""
-    launcher = [] if nproc == 0 else ["-m", "torch.distributed.run", "--standalone",
-                                      f"--nproc-per-node={nproc}"]  # fmt: skip
-    cmd = [sys.executable, *launcher, os.path.join(REPO, "pretrain_gpt.py"), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    if check:
-        assert r.returncode == 0, r.stderr[-4000:]
-    return r
+    return run_entry_point("pretrain_gpt.py", nproc, args, check)
 
 
 def _curve(path) -> list[dict]:

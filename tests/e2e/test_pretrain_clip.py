@@ -8,12 +8,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from megatron_tempnet.data.digits import write_digits_dataset
+from tests.helpers.entry_points import cli_flags, run_entry_point
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOSSES = ("clip", "sogclr", "isogclr", "tempnet", "tau")
@@ -31,38 +31,32 @@ def digits(tmp_path_factory):
         sentence_iterator=iter(captions + ["random"]), model_prefix=str(out / "sp"),
         vocab_size=64, model_type="word", hard_vocab_limit=False, minloglevel=2,
     )  # fmt: skip
-    return {**paths, "tokenizer": str(out / "sp.model")}
+    # 48 training pairs: 6 global batches of 8 per epoch, so the per-sample state is read back
+    # (second epoch) within the tests' 10-20 iterations
+    with open(paths["test"]) as f:
+        lines = f.readlines()
+    small = os.path.join(os.path.dirname(paths["test"]), "small.csv")
+    with open(small, "w") as f:
+        f.writelines(lines[:49])
+    return {**paths, "small": small, "tokenizer": str(out / "sp.model")}
 
 
 def _args(digits, tmp, **flags) -> list[str]:
     base = {
-        "train-data": digits["test"], "valid-data": digits["test"], "label-key": "label",
+        "train-data": digits["small"], "valid-data": digits["test"], "label-key": "label",
         "tokenizer-type": "SentencePieceTokenizer", "tokenizer-model": digits["tokenizer"],
         "embed-dim": 32, "vision-hidden-size": 32, "text-hidden-size": 32,
         "train-iters": 10, "micro-batch-size": 8, "global-batch-size": 8, "log-interval": 1,
         "eval-interval": 0, "tempnet-proj-size": 16, "lr": 2e-3, "tau-init": 0.03,
         "tempnet-lr": 1e-3, "isogclr-tau-lr": 0.002, "seed": 5,
         "metrics-file": str(tmp / "metrics.jsonl"), "image-mean": 0.5, "image-std": 0.5,
+        "zeroshot-templates": "a handwritten digit {}",
     }  # fmt: skip
-    base.update(flags)
-    out = []
-    for key, value in base.items():
-        if value is True:
-            out.append(f"--{key}")
-        elif value is not None and value is not False:
-            out += [f"--{key}", str(value)]
-    return out
+    return cli_flags(base, **flags)
 
 
 def _pretrain(nproc: int, args: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    launcher = [] if nproc == 0 else ["-m", "torch.distributed.run", "--standalone",
-                                      f"--nproc-per-node={nproc}"]  # fmt: skip
-    cmd = [sys.executable, *launcher, os.path.join(REPO, "pretrain_clip.py"), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    if check:
-        assert r.returncode == 0, r.stderr[-4000:]
-    return r
+    return run_entry_point("pretrain_clip.py", nproc, args, check)
 
 
 def _rows(path) -> list[dict]:
@@ -96,11 +90,11 @@ def test_dp2_equals_dp1_and_training_moves(digits, tmp_path, loss):
     final_dp2 = [r for r in _rows(two / "metrics.jsonl") if "val_ir@1" in r][0]
     for key in ("val_ir@1", "val_tr@5", "val_zeroshot_top1"):
         assert final_dp2[key] == pytest.approx(final[0][key], abs=0.6)  # <= 2 rank flips
-    if ood:  # the temperature's OOD AUROC, the same whatever the layout
-        assert 0 <= final[0]["val_ood_auroc_image"] <= 1
-        assert final_dp2["val_ood_auroc_text"] == pytest.approx(
-            final[0]["val_ood_auroc_text"], abs=1e-3
-        )
+    if ood:  # the temperature's OOD AUROC is reported in both layouts; after 10 steps the
+        # predicted taus are nearly tied, so 1e-6 differences may swap a few pairs
+        for key in ("val_ood_auroc_image", "val_ood_auroc_text"):
+            assert 0 <= final[0][key] <= 1
+            assert final_dp2[key] == pytest.approx(final[0][key], abs=0.05)
 
 
 @pytest.mark.parametrize("loss", ["tempnet", "isogclr"])
@@ -184,3 +178,18 @@ def test_bad_rows_stop_or_are_counted(digits, tmp_path):
     r = _pretrain(0, _args(digits, tmp_path, **{"train-data": manifest, "train-iters": 2,
                                                 "skip-bad-samples": True}))  # fmt: skip
     assert re.search(r"skipped 1 of 359 pairs; the first: .*bad.csv:4", r.stderr)
+
+
+def test_isogclr_reads_back_its_per_sample_tau(digits, tmp_path):
+    """Second-epoch visits use the stored per-sample tau: iSogCLR's curve leaves SogCLR's
+    (identical while every tau is still --tau-init) exactly when the epoch turns."""
+    curves = {}
+    for loss in ("sogclr", "isogclr"):
+        (tmp_path / loss).mkdir()
+        _pretrain(1, _args(digits, tmp_path / loss, **{"clip-loss": loss}))
+        curves[loss] = _curve(tmp_path / loss / "metrics.jsonl")
+    for a, b in zip(curves["sogclr"][:6], curves["isogclr"][:6]):  # the first epoch
+        assert a["loss"] == b["loss"] and b["tau_min"] == b["tau_max"] == pytest.approx(0.03)
+    later = curves["isogclr"][6:]
+    assert all(r["tau_min"] < r["tau_max"] for r in later)  # per-sample taus now differ
+    assert later[0]["loss"] != curves["sogclr"][6]["loss"]

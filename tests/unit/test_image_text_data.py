@@ -159,3 +159,11 @@ def test_digits_writer(tmp_path):
     assert png.shape == (16, 16) and np.array_equal(png, expected)
     assert first["label"] in first["caption"] or str(DIGIT_NAMES.index(first["label"])) in (
         first["caption"])  # fmt: skip
+
+
+def test_normalisation_defaults_follow_the_channels(sources):
+    gray = _dataset([sources / "m.csv"], image_channels=1)
+    assert gray.config.image_mean == (0.5,) and gray[0]["image"].shape == (1, 8, 8)
+    assert _dataset([sources / "m.csv"]).config.image_std[0] == pytest.approx(0.26862954)
+    with pytest.raises(ImageTextDataError, match=r"--image-mean has 2 values: give 1 or 3"):
+        _dataset([sources / "m.csv"], image_mean=(0.1, 0.2))
