@@ -68,15 +68,43 @@ def build_clip_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
     add_tokenizer_args(p)
     g = p.add_argument_group("loss and TempNet")
-    g.add_argument("--clip-loss", choices=CLIP_LOSSES, default="tempnet")
-    g.add_argument("--tau-init", type=float, default=0.01)
-    g.add_argument("--tempnet-tau-min", type=float, default=0.001)
-    g.add_argument("--tempnet-tau-max", type=float, default=0.05)
-    g.add_argument("--tempnet-rho", type=float, default=8.0)
-    g.add_argument("--sogclr-gamma", type=float, default=0.8)
-    g.add_argument("--isogclr-tau-lr", type=float, default=0.01)
+    g.add_argument(
+        "--clip-loss",
+        choices=CLIP_LOSSES,
+        default="tempnet",
+        help="clip: InfoNCE, one learnable tau; sogclr: global contrastive loss, "
+        "fixed tau; isogclr: a learned tau per sample; tempnet: TempNet's tau per "
+        "image and text; tau: TaU (tau from a head on the embedding)",
+    )
+    g.add_argument(
+        "--tau-init",
+        type=float,
+        default=0.01,
+        help="clip's initial tau, sogclr's fixed tau, isogclr's initial per-sample "
+        "tau, TaU's smallest tau",
+    )
+    g.add_argument("--tempnet-tau-min", type=float, default=0.001, help="tau0 (TempNet, isogclr)")
+    g.add_argument("--tempnet-tau-max", type=float, default=0.05, help="TempNet's/isogclr's max")
+    g.add_argument(
+        "--tempnet-rho",
+        type=float,
+        default=8.0,
+        help="the KL-DRO radius; rho >= log(global batch - 1) drives every tau to tau0",
+    )
+    g.add_argument(
+        "--sogclr-gamma",
+        type=float,
+        default=0.8,
+        help="moving-average weight of the per-sample estimator s, in (0, 1]",
+    )
+    g.add_argument(
+        "--isogclr-tau-lr",
+        type=float,
+        default=0.01,
+        help="step of isogclr's projected gradient update of each sample's tau",
+    )
     g.add_argument("--tempnet-proj-size", type=int, default=256, help="d2: prototypes")
-    g.add_argument("--tempnet-lr", type=float)
+    g.add_argument("--tempnet-lr", type=float, help="TempNet's peak learning rate (default --lr)")
     g.add_argument("--tempnet-weight-decay", type=float)
     # the paper's Table 6: lr 2e-4, weight decay 0.02, Adam betas (0.9, 0.999)
     add_common_args(p, lr=2e-4, weight_decay=0.02, adam_beta2=0.999)
