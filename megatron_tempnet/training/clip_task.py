@@ -14,12 +14,9 @@ from functools import partial
 
 import torch
 
-from megatron_tempnet.data.image_text import (
-    EpochShuffledDataset,
-    ImageTextDataConfig,
-    ImageTextDataset,
-    tokenize_captions,
-)
+from megatron_tempnet.data.captions import tokenize_captions
+from megatron_tempnet.data.image_text import ImageTextDataConfig, ImageTextDataset
+from megatron_tempnet.data.image_text_sampling import EpochShuffledDataset
 from megatron_tempnet.data.tokenizers import build_tokenizer
 from megatron_tempnet.inference.clip_evaluation import evaluate_clip
 from megatron_tempnet.models.clip import CLIPModel, CLIPModelConfig
@@ -103,7 +100,7 @@ class CLIPTask:
         d.image_size, d.image_channels, d.context_length = (
             m.image_size, m.image_channels, m.context_length)  # fmt: skip
         validate_clip(config, world_size)
-        d.resolve_normalisation()
+        d.validate()  # normalisation defaults and ranges, before any model is built
         self.sample_state = None
 
     def _dataset(self, config: CLIPRunConfig, paths: list[str]) -> ImageTextDataset:
