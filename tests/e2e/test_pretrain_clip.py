@@ -97,6 +97,26 @@ def test_dp2_equals_dp1_and_training_moves(digits, tmp_path, loss):
             assert final_dp2[key] == pytest.approx(final[0][key], abs=0.05)
 
 
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_zero_stages_equal_dp1(digits, tmp_path, zero_stage):
+    """ZeRO-2/3 at DP = 2 (TempNet in its own parameter group; with ZeRO-3 the towers'
+    weights are partitioned, also for the evaluation's encoding) equal one process."""
+    one, two = tmp_path / "dp1", tmp_path / "dp2"
+    one.mkdir(), two.mkdir()
+    flags = {"clip-loss": "tempnet", "ood-data": digits["test_5-9"]}
+    _pretrain(1, _args(digits, one, **flags))
+    _pretrain(2, _args(digits, two, **{**flags, "micro-batch-size": 4, "zero-stage": zero_stage}))
+    _assert_same_curve(_curve(two / "metrics.jsonl"), _curve(one / "metrics.jsonl"), rtol=1e-4)
+    final = [[r for r in _rows(d / "metrics.jsonl") if "val_ir@1" in r] for d in (one, two)]
+    assert len(final[0]) == len(final[1]) == 1
+    for key in ("val_ir@1", "val_tr@5", "val_zeroshot_top1"):
+        assert final[1][0][key] == pytest.approx(final[0][0][key], abs=0.6), key  # 2 flips
+    for key in ("val_tau_image_mean", "val_tau_text_mean"):
+        assert final[1][0][key] == pytest.approx(final[0][0][key], rel=1e-4), key
+    for key in ("val_ood_auroc_image", "val_ood_auroc_text"):  # see the DP test above
+        assert final[1][0][key] == pytest.approx(final[0][0][key], abs=0.05), key
+
+
 @pytest.mark.parametrize("loss", ["tempnet", "isogclr"])
 def test_tp2_equals_tp1(digits, tmp_path, loss):
     one, two = tmp_path / "tp1", tmp_path / "tp2"
