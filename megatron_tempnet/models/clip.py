@@ -232,6 +232,7 @@ class CLIPModel(nn.Module):
         for index, (name, build) in enumerate(builders):
             seed_rngs(seed + index)
             self.pieces[name] = build()
+        self.to(params_dtype)  # the embeddings and projections megatron-core does not build
         self.num_pieces = len(builders)
 
     def _run(self, prefix: str, x: torch.Tensor, layers: int) -> torch.Tensor:

@@ -115,7 +115,7 @@ class TaUHead(nn.Module):
         self.linear = nn.Linear(embed_dim, 1)
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
-        return self.linear(embeddings)[:, 0]
+        return self.linear(embeddings.to(self.linear.weight.dtype))[:, 0].float()
 
 
 class CLIPTrainModule(nn.Module):
@@ -171,7 +171,7 @@ class CLIPTrainModule(nn.Module):
     def global_tau(self) -> torch.Tensor:
         """CLIP's learnable tau ``[1]``, clamped below at ``tau_min`` (as OpenCLIP clamps its
         logit scale), not above."""
-        return self.log_tau.exp().clamp(min=self.loss_config.tau_min)
+        return self.log_tau.float().exp().clamp(min=self.loss_config.tau_min)
 
     @torch.no_grad()
     def encode(self, images=None, tokens=None, lengths=None) -> dict:
@@ -189,7 +189,7 @@ class CLIPTrainModule(nn.Module):
             out[side] = e
             cfg = self.loss_config
             if self.tempnets is not None:
-                out[f"{side}_tau"] = self.tempnets[side](e)
+                out[f"{side}_tau"] = self.tempnets[side](e).float()
             elif self.tau_heads is not None:
                 a = self.tau_heads[side](e)
                 out[f"{side}_tau"], out[f"{side}_score"] = cfg.tau_init / torch.sigmoid(a), -a
@@ -218,7 +218,7 @@ class CLIPTrainModule(nn.Module):
         losses, taus, new = [], [], {}
         for side in ("image", "text"):
             if cfg.clip_loss == "tempnet":
-                tau = self.tempnets[side](embeddings[side])  # [b], input detached inside
+                tau = self.tempnets[side](embeddings[side]).float()  # [b], input detached inside
             elif cfg.clip_loss == "isogclr":  # the sample's own tau (tau_init on a first visit)
                 tau = state[:, column[f"tau_{side}"]].where(seen, torch.tensor(cfg.tau_init))
             else:
@@ -238,11 +238,3 @@ class CLIPTrainModule(nn.Module):
                 new[f"tau_{side}"] = step.clamp(cfg.tau_min, cfg.tau_max)
         state_rows = torch.stack([new[f].detach().float() for f in cfg.state_fields], dim=1)
         return CLIPOutput(torch.cat(losses), torch.cat(taus), state_rows)
-
-
-def split_clip_parameters(module: nn.Module) -> tuple[list, list]:
-    """(model parameters, TempNet parameters) of a ``CLIPTrainModule``."""
-    tempnet = {id(p) for m in module.modules() if isinstance(m, TempNetCLIP)
-               for p in m.parameters()}  # fmt: skip
-    params = list(module.parameters())
-    return [p for p in params if id(p) not in tempnet], [p for p in params if id(p) in tempnet]

@@ -142,6 +142,7 @@ class CLIPTask:
             clip, config.loss, dp_group=parallel_state.get_data_parallel_group(),
             tempnet_proj_size=t.tempnet_proj_size,
         )  # fmt: skip
+        module.to(dtype)  # as DeepSpeed casts it; the loss itself is computed in float32
         if config.loss.uses_tempnet:
             self._init_prototypes(module, t.tempnet_proj_size, t.seed)
         seed_rngs(t.seed)

@@ -170,6 +170,8 @@ def deepspeed_config(config: RunConfig, world_size: int) -> dict:
     if t.bf16:
         base["bf16"] = {"enabled": True}
     if t.fp16:
+        if not torch.cuda.is_available():
+            raise ConfigError("--fp16 needs a GPU (DeepSpeed has no fp16 on CPU): use --bf16")
         base["fp16"] = dict(base.get("fp16", {}), enabled=True)
     return base
 

@@ -128,6 +128,35 @@ def test_tp2_equals_tp1(digits, tmp_path, loss):
     _assert_same_curve(_curve(two / "metrics.jsonl"), _curve(one / "metrics.jsonl"), rtol=1e-4)
 
 
+@pytest.mark.parametrize(("loss", "zero_stage"), [("tempnet", 0), ("tau", 1)])
+def test_bf16_tracks_float32(digits, tmp_path, loss, zero_stage):
+    """--bf16 at DP = 2: the towers and the temperature parts are bfloat16 (so the checkpoint
+    says), the loss and the per-sample state stay float32, and the curve stays near float32's."""
+    curves = {}
+    for name, extra in (("fp32", {}), ("bf16", {"bf16": True})):
+        run = tmp_path / name
+        run.mkdir()
+        flags = {"clip-loss": loss, "micro-batch-size": 4, "zero-stage": zero_stage, **extra}
+        _pretrain(2, _args(digits, run, save=run / "ckpt", **flags))
+        curves[name] = _curve(run / "metrics.jsonl")
+    fp32, bf16 = curves["fp32"], curves["bf16"]
+    assert len(bf16) == len(fp32) == 10
+    assert [r["loss"] for r in bf16] != [r["loss"] for r in fp32]  # it did run in bf16
+    assert bf16[0]["loss"] == pytest.approx(fp32[0]["loss"], rel=2e-2)
+    for a, b in zip(bf16, fp32):
+        assert a["loss"] == pytest.approx(b["loss"], rel=0.1), a["iteration"]
+        assert a["tau_mean"] == pytest.approx(b["tau_mean"], rel=0.05), a["iteration"]
+    tag = tmp_path / "bf16" / "ckpt" / "iter_0000010"
+    module = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    dtypes = {k: v.dtype for k, v in module.items() if torch.is_tensor(v) and v.is_floating_point()}
+    assert any(k.startswith(("tempnets.", "tau_heads.")) for k in dtypes)
+    assert set(dtypes.values()) == {torch.bfloat16}, dtypes
+    if loss == "tempnet":
+        for rank in (0, 1):
+            state = torch.load(tag / f"rng_rank{rank}.pt", weights_only=False)["rank_state"]
+            assert state["sample_state"]["values"].dtype == torch.float32
+
+
 def _saved(save_dir, iteration: int) -> dict:
     """Per rank: the per-sample state shard; and the model's TempNet/temperature tensors."""
     tag = os.path.join(save_dir, f"iter_{iteration:07d}")
@@ -172,6 +201,7 @@ def test_resume_is_exact_with_the_per_sample_state(digits, tmp_path, loss):
     [
         ({"global-batch-size": 16}, "no gradient accumulation"),
         ({"pipeline-model-parallel-size": 2}, "tensor and data parallelism only"),
+        ({"fp16": True}, "--fp16 needs a GPU"),
         ({"clip-loss": "isogclr", "tau-init": 0.2}, "--tau-init .0.2. must lie in"),
         ({"patch-size": 5}, "--image-size .16. must be divisible by --patch-size .5."),
         ({"tempnet-proj-size": 1000, "clip-loss": "tempnet"}, "lower --tempnet-proj-size"),
