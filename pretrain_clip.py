@@ -18,23 +18,13 @@ import warnings
 # NVIDIA apex and Transformer Engine are optional GPU accelerators: their absence is expected.
 warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed")
 
-from megatron_tempnet.data.cli import run_tool  # noqa: E402
-from megatron_tempnet.data.image_text import ImageTextDataError  # noqa: E402
-from megatron_tempnet.models.gpt import ModelConfigError  # noqa: E402
-from megatron_tempnet.training.checkpoint import CheckpointError  # noqa: E402
-from megatron_tempnet.training.clip_arguments import (  # noqa: E402
+from megatron_tempnet.models.clip.arguments import (  # noqa: E402
     build_clip_parser,
     clip_config_from_args,
 )
-from megatron_tempnet.training.clip_module import CLIPLossConfigError  # noqa: E402
-from megatron_tempnet.training.clip_task import CLIPTask  # noqa: E402
-from megatron_tempnet.training.config import ConfigError  # noqa: E402
-from megatron_tempnet.training.loop import pretrain  # noqa: E402
-from megatron_tempnet.training.sample_state import SampleStateError  # noqa: E402
-from megatron_tempnet.training.step import TrainingError  # noqa: E402
-
-USER_ERRORS = (ConfigError, ModelConfigError, CLIPLossConfigError, TrainingError,
-               CheckpointError, ImageTextDataError, SampleStateError)  # fmt: skip
+from megatron_tempnet.models.clip.task import CLIPTask  # noqa: E402
+from megatron_tempnet.trainer.loop import pretrain  # noqa: E402
+from megatron_tempnet.utils.cli import run_tool  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,4 +33,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_tool(main, USER_ERRORS))
+    sys.exit(run_tool(main))

@@ -19,22 +19,16 @@ import warnings
 # NVIDIA apex and Transformer Engine are optional GPU accelerators: their absence is expected.
 warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed")
 
-from megatron_tempnet.data.cli import run_tool  # noqa: E402
-from megatron_tempnet.models.gpt import ModelConfigError  # noqa: E402
-from megatron_tempnet.training.arguments import build_parser, config_from_args  # noqa: E402
-from megatron_tempnet.training.checkpoint import CheckpointError  # noqa: E402
-from megatron_tempnet.training.config import ConfigError  # noqa: E402
-from megatron_tempnet.training.loop import pretrain  # noqa: E402
-from megatron_tempnet.training.loss import LossConfigError  # noqa: E402
-from megatron_tempnet.training.step import TrainingError  # noqa: E402
-
-USER_ERRORS = (ConfigError, ModelConfigError, LossConfigError, TrainingError, CheckpointError)
+from megatron_tempnet.models.gpt.arguments import build_parser, config_from_args  # noqa: E402
+from megatron_tempnet.models.gpt.task import GPTTask  # noqa: E402
+from megatron_tempnet.trainer.loop import pretrain  # noqa: E402
+from megatron_tempnet.utils.cli import run_tool  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     config = config_from_args(build_parser().parse_args(argv))
-    return pretrain(config).exit_code
+    return pretrain(config, GPTTask()).exit_code
 
 
 if __name__ == "__main__":
-    sys.exit(run_tool(main, USER_ERRORS))
+    sys.exit(run_tool(main))

@@ -104,6 +104,7 @@ class Memory:
 
 
 def _setup(device, tokens, hidden, vocab, tp, rank):
+    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import (
         copy_to_tensor_model_parallel_region,
         gather_from_tensor_model_parallel_region,
@@ -120,7 +121,8 @@ def _setup(device, tokens, hidden, vocab, tp, rank):
     w = w_full[rank * shard : (rank + 1) * shard].contiguous().to(device).requires_grad_()
     target = torch.randint(0, vocab, (tokens, 1), generator=gen).to(device)
     tau = (0.5 + torch.rand(tokens, 1, generator=gen)).to(device).requires_grad_()
-    tempnet = TempNetLM(vocab).to(device)
+    group = parallel_state.get_tensor_model_parallel_group()
+    tempnet = TempNetLM(vocab, tp_group=group).to(device)
     dense_tempnet = DenseTempNet(vocab).to(device)
     base_logits = (torch.randn(tokens, 1, shard, generator=gen) * 3).to(device)
     params = [h, w, tau, *tempnet.parameters(), *dense_tempnet.parameters()]
@@ -133,11 +135,13 @@ def _setup(device, tokens, hidden, vocab, tp, rank):
             return vocab_parallel_cross_entropy(logits, target).mean()
         if case == "b":
             return vocab_parallel_dro_loss(
-                logits, target, tau, rho=10.0, vocab_size=vocab, inplace=True
+                logits, target, tau, rho=10.0, vocab_size=vocab, tp_group=group, inplace=True
             ).mean()
         if case == "c":
             t = tempnet(logits)
-            return vocab_parallel_dro_loss(logits, target, t, rho=10.0, vocab_size=vocab).mean()
+            return vocab_parallel_dro_loss(
+                logits, target, t, rho=10.0, vocab_size=vocab, tp_group=group
+            ).mean()
         full = gather_from_tensor_model_parallel_region(logits)
         t = dense_tempnet(full.detach())
         return dro_loss(full, target, t, rho=10.0, vocab_size=vocab).mean()
@@ -206,7 +210,7 @@ def _rank_main(rank, tp, port, args, mode, out_queue):
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=tp)
     from megatron.core import parallel_state
 
-    from megatron_tempnet.distributed import apply_cpu_support
+    from megatron_tempnet.compat import apply_cpu_support
 
     apply_cpu_support()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)

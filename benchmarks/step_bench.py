@@ -47,27 +47,27 @@ def run_case(args) -> dict:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_tempnet.distributed import apply_cpu_support
-    from megatron_tempnet.models import ModelConfig, build_gpt_model
-    from megatron_tempnet.tempnet import TempNetLM
-    from megatron_tempnet.training.engine import TrainModule
-    from megatron_tempnet.training.loss import LossConfig
+    from megatron_tempnet.compat import apply_cpu_support
+    from megatron_tempnet.models.gpt import ModelConfig, build_gpt_model
+    from megatron_tempnet.models.gpt.objective import LossConfig, TrainModule
+    from megatron_tempnet.tempnet import TempNetConfig, TempNetLM
 
     cuda = args.device == "cuda"
     apply_cpu_support()
-    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0,
-                            world_size=1)  # fmt: skip
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
-    model_cfg = ModelConfig.from_preset(args.model, vocab_size=args.vocab_size,
-                                        seq_length=args.seq_length)  # fmt: skip
-    loss_cfg = LossConfig(rho=10.0, **CASES[args.case])
+    model_cfg = ModelConfig.from_preset(
+        args.model, vocab_size=args.vocab_size, seq_length=args.seq_length
+    )
+    loss_cfg, tempnet_cfg = LossConfig(**CASES[args.case]), TempNetConfig(rho=10.0)
     lm = build_gpt_model(model_cfg)
     tempnet = None
     if loss_cfg.uses_tempnet:
         tempnet = TempNetLM(args.vocab_size, padded_vocab_size=model_cfg.padded_vocab_size(1))
-    module = TrainModule(lm, tempnet, loss_cfg, args.vocab_size, freeze_lm=False)
+    module = TrainModule(lm, tempnet, loss_cfg, tempnet_cfg, args.vocab_size)
     device = torch.device("cuda" if cuda else "cpu")
     module.to(device)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, betas=(0.9, 0.95))
@@ -98,8 +98,14 @@ def run_case(args) -> dict:
         times.append(time.perf_counter() - t0)
     peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else _proc_status_mb("VmHWM")) - base
     n_params = sum(p.numel() for p in module.parameters())
-    return {"case": args.case, "median_s": statistics.median(times), "min_s": min(times),
-            "peak_above_steady_mb": peak, "steady_mb": base, "params": n_params}  # fmt: skip
+    return {
+        "case": args.case,
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "peak_above_steady_mb": peak,
+        "steady_mb": base,
+        "params": n_params,
+    }
 
 
 def main() -> None:
@@ -126,13 +132,17 @@ def main() -> None:
         rows.append(json.loads(lines[-1][len("RESULT ") :]))
     ce = rows[0]
     shape = f"{args.micro_batch_size} x {args.seq_length} tokens per step"
-    print(f"# {args.model}, vocab {args.vocab_size}, {shape}, {args.device}, "
-          f"median of {args.steps} steps after 1 warm-up")  # fmt: skip
+    print(
+        f"# {args.model}, vocab {args.vocab_size}, {shape}, {args.device}, "
+        f"median of {args.steps} steps after 1 warm-up"
+    )
     print(f"{'case':<13} {'params':>12} {'step (s)':>9} {'x ce':>6} {'peak MB':>8} {'x ce':>6}")
     for r in rows:
-        print(f"{r['case']:<13} {r['params']:>12,} {r['median_s']:>9.3f} "
-              f"{r['median_s'] / ce['median_s']:>6.3f} {r['peak_above_steady_mb']:>8.0f} "
-              f"{r['peak_above_steady_mb'] / ce['peak_above_steady_mb']:>6.3f}")  # fmt: skip
+        print(
+            f"{r['case']:<13} {r['params']:>12,} {r['median_s']:>9.3f} "
+            f"{r['median_s'] / ce['median_s']:>6.3f} {r['peak_above_steady_mb']:>8.0f} "
+            f"{r['peak_above_steady_mb'] / ce['peak_above_steady_mb']:>6.3f}"
+        )
     print("paper anchor (Table 14, GPT-2 + TempNet): +5.8% step time")
     if args.json:
         with open(args.json, "w") as f:

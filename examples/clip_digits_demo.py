@@ -5,7 +5,7 @@
     python examples/clip_digits_demo.py --ood                # train on 0-4; OOD AUROC on 5-9
 
 1. writes the 1797 digit images (16 x 16 PNG) with captions such as "a handwritten digit
-   seven", a stratified held-out split, and 0-4 / 5-9 subsets (``megatron_tempnet.data.digits``);
+   seven", a stratified held-out split, and 0-4 / 5-9 subsets (``models.clip.data.digits``);
 2. trains a word-level SentencePiece tokenizer on the training captions;
 3. runs ``pretrain_clip.py`` once per ``--clip-loss`` (two CPU processes, data parallel);
 4. prints and writes (``OUT/results.md``) the held-out zero-shot results of every loss:
@@ -42,41 +42,84 @@ def train_tokenizer(manifest: str, prefix: str) -> str:
 
     import sentencepiece as spm
 
-    from megatron_tempnet.data.digits import CLASSIFICATION_TEMPLATES, DIGIT_NAMES
+    from megatron_tempnet.models.clip.data.digits import CLASSIFICATION_TEMPLATES, DIGIT_NAMES
 
     with open(manifest, newline="") as f:
         texts = [row["caption"] for row in csv.DictReader(f)]
     texts += [t.format(name) for t in CLASSIFICATION_TEMPLATES for name in DIGIT_NAMES]
     texts += ["random"]  # the caption-noise word
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(texts), model_prefix=prefix, vocab_size=96, model_type="word",
-        hard_vocab_limit=False, minloglevel=2,
-    )  # fmt: skip
+        sentence_iterator=iter(texts),
+        model_prefix=prefix,
+        vocab_size=96,
+        model_type="word",
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
     return prefix + ".model"
 
 
 def run_loss(loss: str, paths: dict, tokenizer: str, args, out: str) -> dict:
     """One pretrain_clip.py run; returns its final evaluation metrics."""
-    from megatron_tempnet.data.digits import CLASSIFICATION_TEMPLATES
+    from megatron_tempnet.models.clip.data.digits import CLASSIFICATION_TEMPLATES
 
     metrics = os.path.join(out, f"{loss}.metrics.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    train, valid = (paths["train_0-4"], paths["test_0-4"]) if args.ood else (
-        paths["train"], paths["test"])  # fmt: skip
+    train, valid = (
+        (paths["train_0-4"], paths["test_0-4"]) if args.ood else (paths["train"], paths["test"])
+    )
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={args.nproc}", os.path.join(REPO, "pretrain_clip.py"),
-        "--model", "clip-tiny", "--train-data", train, "--valid-data", valid,
-        "--label-key", "label", "--image-mean", "0.5", "--image-std", "0.5",
-        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tokenizer,
-        "--clip-loss", loss, "--micro-batch-size", str(args.batch // args.nproc),
-        "--train-iters", str(args.train_iters), "--lr", "2e-3", "--lr-warmup-iters", "20",
-        "--weight-decay", "0.02", "--tempnet-proj-size", "64", "--eval-interval", "0",
-        "--log-interval", "50", "--metrics-file", metrics, "--seed", str(args.seed),
-        "--caption-noise", str(args.caption_noise),
-        "--zeroshot-templates", *CLASSIFICATION_TEMPLATES, *SETTINGS[loss],
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc}",
+        os.path.join(REPO, "pretrain_clip.py"),
+        "--model",
+        "clip-tiny",
+        "--train-data",
+        train,
+        "--valid-data",
+        valid,
+        "--label-key",
+        "label",
+        "--image-mean",
+        "0.5",
+        "--image-std",
+        "0.5",
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        tokenizer,
+        "--clip-loss",
+        loss,
+        "--micro-batch-size",
+        str(args.batch // args.nproc),
+        "--train-iters",
+        str(args.train_iters),
+        "--lr",
+        "2e-3",
+        "--lr-warmup-iters",
+        "20",
+        "--weight-decay",
+        "0.02",
+        "--tempnet-proj-size",
+        "64",
+        "--eval-interval",
+        "0",
+        "--log-interval",
+        "50",
+        "--metrics-file",
+        metrics,
+        "--seed",
+        str(args.seed),
+        "--caption-noise",
+        str(args.caption_noise),
+        "--zeroshot-templates",
+        *CLASSIFICATION_TEMPLATES,
+        *SETTINGS[loss],
+    ]
     if args.ood:
         cmd += ["--ood-data", paths["test_5-9"]]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
@@ -97,8 +140,10 @@ def table(results: dict, ood: bool) -> str:
         rule += "---:|---:|"
     lines = [head, rule]
     for loss, m in results.items():
-        row = (f"| {loss} | {m['val_ir@1']:.1f} | {m['val_tr@1']:.1f} | "
-               f"{m['val_zeroshot_top1']:.1f} | {m['train_tau_mean']:.4f} |")  # fmt: skip
+        row = (
+            f"| {loss} | {m['val_ir@1']:.1f} | {m['val_tr@1']:.1f} | "
+            f"{m['val_zeroshot_top1']:.1f} | {m['train_tau_mean']:.4f} |"
+        )
         if ood:
             row += "".join(
                 f" {m[k]:.3f} |" if k in m else " - |"
@@ -122,7 +167,7 @@ def main() -> int:
     if args.ood:
         args.losses = [loss for loss in args.losses if loss in ("tau", "tempnet")] or ["tau"]
 
-    from megatron_tempnet.data.digits import write_digits_dataset
+    from megatron_tempnet.models.clip.data.digits import write_digits_dataset
 
     os.makedirs(args.out, exist_ok=True)
     paths = write_digits_dataset(os.path.join(args.out, "data"))

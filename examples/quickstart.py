@@ -44,10 +44,16 @@ def train_tokenizer(corpus: str, prefix: str, vocab_size: int) -> str:
     with open(corpus) as f:
         texts = [json.loads(line)["text"] for line in f]
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(texts), model_prefix=prefix, vocab_size=vocab_size,
-        model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, max_sentence_length=1 << 16, minloglevel=2,
-    )  # fmt: skip
+        sentence_iterator=iter(texts),
+        model_prefix=prefix,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        max_sentence_length=1 << 16,
+        minloglevel=2,
+    )
     return prefix + ".model"
 
 
@@ -72,26 +78,88 @@ def main() -> int:
     model = train_tokenizer(out("corpus.jsonl"), out("tokenizer"), args.vocab_size)
     print(f"[2/4] SentencePiece tokenizer ({args.vocab_size} ids) -> {model}", flush=True)
     tokenizer = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model]
-    run([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input",
-         out("corpus.jsonl"), "--output-prefix", out("corpus"), "--append-eod", "--workers", "2",
-         "--overwrite", *tokenizer])  # fmt: skip
+    run(
+        [
+            sys.executable,
+            os.path.join(REPO, "tools", "preprocess_data.py"),
+            "--input",
+            out("corpus.jsonl"),
+            "--output-prefix",
+            out("corpus"),
+            "--append-eod",
+            "--workers",
+            "2",
+            "--overwrite",
+            *tokenizer,
+        ]
+    )
     print(f"[3/4] indexed dataset -> {out('corpus_text_document')}.bin/.idx", flush=True)
     for stale in ("metrics.jsonl",):  # a rerun starts a fresh curve
         if os.path.exists(out(stale)):
             os.remove(out(stale))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={args.nproc}", os.path.join(REPO, "pretrain_gpt.py"),
-         "--model", "tiny", "--tensor-model-parallel-size", str(args.nproc),
-         "--data-path", out("corpus_text_document"), "--split", "95,5,0", *tokenizer,
-         "--data-cache-path", out("cache"), "--micro-batch-size", "8", "--global-batch-size", "8",
-         "--train-iters", str(args.train_iters), "--lr", "3e-3", "--min-lr", "3e-4",
-         "--lr-warmup-iters", "10", "--loss", "dro", "--tau-source", "tempnet",
-         "--tempnet-rho", "4", "--tempnet-tau-min", "0.05", "--tempnet-tau-max", "2.0",
-         "--tempnet-hidden-size", "64", "--tempnet-proj-size", "64", "--tempnet-lr", "1e-3",
-         "--eval-interval", str(max(args.train_iters // 3, 1)), "--eval-iters", "4",
-         "--log-interval", "25", "--save", out("checkpoints"), "--tensorboard-dir",
-         out("tensorboard"), "--metrics-file", out("metrics.jsonl")], env=env)  # fmt: skip
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.nproc}",
+            os.path.join(REPO, "pretrain_gpt.py"),
+            "--model",
+            "tiny",
+            "--tensor-model-parallel-size",
+            str(args.nproc),
+            "--data-path",
+            out("corpus_text_document"),
+            "--split",
+            "95,5,0",
+            *tokenizer,
+            "--data-cache-path",
+            out("cache"),
+            "--micro-batch-size",
+            "8",
+            "--global-batch-size",
+            "8",
+            "--train-iters",
+            str(args.train_iters),
+            "--lr",
+            "3e-3",
+            "--min-lr",
+            "3e-4",
+            "--lr-warmup-iters",
+            "10",
+            "--loss",
+            "dro",
+            "--tau-source",
+            "tempnet",
+            "--tempnet-rho",
+            "4",
+            "--tempnet-tau-min",
+            "0.05",
+            "--tempnet-tau-max",
+            "2.0",
+            "--tempnet-hidden-size",
+            "64",
+            "--tempnet-proj-size",
+            "64",
+            "--tempnet-lr",
+            "1e-3",
+            "--eval-interval",
+            str(max(args.train_iters // 3, 1)),
+            "--eval-iters",
+            "4",
+            "--log-interval",
+            "25",
+            "--save",
+            out("checkpoints"),
+            "--tensorboard-dir",
+            out("tensorboard"),
+            "--metrics-file",
+            out("metrics.jsonl"),
+        ],
+        env=env,
+    )
     rows = [json.loads(line) for line in open(out("metrics.jsonl"))]
     train = [r for r in rows if "loss" in r]
     val = [r for r in rows if "val_ppl" in r]
@@ -99,12 +167,16 @@ def main() -> int:
     print(f"[4/4] trained {last['iteration']} iterations in {time.perf_counter() - start:.0f} s")
     print(f"  cross-entropy  {first['ce_loss']:.3f} -> {last['ce_loss']:.3f}")
     print(f"  DRO loss       {first['loss']:.3f} -> {last['loss']:.3f}")
-    print(f"  tau            mean {last['tau_mean']:.3f}, range [{last['tau_min']:.3f}, "
-          f"{last['tau_max']:.3f}] (TempNet, last logged batch)")  # fmt: skip
+    print(
+        f"  tau            mean {last['tau_mean']:.3f}, range [{last['tau_min']:.3f}, "
+        f"{last['tau_max']:.3f}] (TempNet, last logged batch)"
+    )
     if val:
         v = val[-1]
-        print(f"  validation     perplexity {v['val_ppl']:.1f}, T-LLM perplexity "
-              f"{v['val_tllm_ppl']:.1f}")  # fmt: skip
+        print(
+            f"  validation     perplexity {v['val_ppl']:.1f}, T-LLM perplexity "
+            f"{v['val_tllm_ppl']:.1f}"
+        )
     print(f"  metrics        {out('metrics.jsonl')}")
     print(f"  TensorBoard    tensorboard --logdir {out('tensorboard')}")
     print(f"  checkpoint     {out('checkpoints', open(out('checkpoints', 'latest')).read())}")

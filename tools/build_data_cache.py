@@ -16,26 +16,22 @@ import argparse
 import os
 import sys
 
-from megatron_tempnet.data.arguments import add_data_args, add_tokenizer_args, data_config_from_args
-from megatron_tempnet.data.cli import run_tool
-from megatron_tempnet.data.gpt_data import (
-    DataConfigError,
-    build_gpt_datasets,
-    dataset_fingerprint,
-    num_samples,
-)
-from megatron_tempnet.data.tokenizers import build_tokenizer, tokenizer_spec
+from megatron_tempnet.data.gpt_data import GPTDataConfig, build_gpt_datasets, num_samples
+from megatron_tempnet.data.loader import DataConfigError, dataset_fingerprint
+from megatron_tempnet.data.tokenizers import TokenizerConfig
+from megatron_tempnet.utils.cli import run_tool
+from megatron_tempnet.utils.flags import add_flags, from_flags
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    add_data_args(p)
-    add_tokenizer_args(p)
-    g = p.add_argument_group("samples needed")
-    g.add_argument("--train-iters", type=int, required=True)
-    g.add_argument("--global-batch-size", type=int, required=True)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=10)  # pretrain_gpt.py's default
+    add_flags(p, GPTDataConfig, "data")
+    add_flags(p, TokenizerConfig, "tokenizer")
+    g = p.add_argument_group("samples needed (pretrain_gpt.py's flags, with its defaults)")
+    g.add_argument("--train-iters", type=int, required=True, help="the run's iterations")
+    g.add_argument("--global-batch-size", type=int, required=True, help="the run's batch")
+    g.add_argument("--eval-interval", type=int, default=1000, help="the run's (default 1000)")
+    g.add_argument("--eval-iters", type=int, default=10, help="the run's (default 10)")
     return p.parse_args(argv)
 
 
@@ -46,11 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("train_iters", "global_batch_size", "eval_iters"):
         if getattr(args, flag) < 0 or (flag != "eval_iters" and getattr(args, flag) == 0):
             raise DataConfigError(f"--{flag.replace('_', '-')} ({getattr(args, flag)}) is invalid")
-    tokenizer = build_tokenizer(**tokenizer_spec(args))
+    tokenizer = from_flags(TokenizerConfig, args).build()
     sizes = num_samples(
         args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters
     )
-    datasets = build_gpt_datasets(data_config_from_args(args), tokenizer, sizes)
+    datasets = build_gpt_datasets(from_flags(GPTDataConfig, args), tokenizer, sizes)
     for name, size, ds in zip(("train", "valid", "test"), sizes, datasets):
         if ds is None:
             print(f"{name}: empty split")

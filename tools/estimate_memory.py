@@ -5,7 +5,7 @@
 
 Prints the breakdown for the fullest pipeline stage (weights, gradients, optimizer states per
 ZeRO stage, activations, the logits shard, the loss's and TempNet's buffers) and a verdict against
---gpu-memory-gb. The accounting is in megatron_tempnet/training/memory_estimate.py. Not counted:
+--gpu-memory-gb. The accounting is in megatron_tempnet/models/gpt/memory.py. Not counted:
 the CUDA context, NCCL buffers and allocator fragmentation (plan a few GiB for them).
 """
 
@@ -14,16 +14,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_tempnet.data.cli import run_tool
-from megatron_tempnet.models.gpt import PRESETS, ModelConfig
-from megatron_tempnet.training.memory_estimate import (
+from megatron_tempnet.models.gpt.config import PRESETS, ModelConfig
+from megatron_tempnet.models.gpt.memory import (
     GIB,
-    EstimateError,
     Layout,
     estimate,
     largest,
     stage_params,
 )
+from megatron_tempnet.utils.cli import run_tool
 
 DEFAULT_VOCAB = {"llama": 32000, "gpt": 50257}  # LLaMA-2's SentencePiece, GPT-2's BPE
 
@@ -31,8 +30,15 @@ DEFAULT_VOCAB = {"llama": 32000, "gpt": 50257}  # LLaMA-2's SentencePiece, GPT-2
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="llama2-70b", choices=sorted(PRESETS))
-    for flag in ("num-layers", "hidden-size", "num-attention-heads", "num-query-groups",
-                 "ffn-hidden-size", "seq-length", "vocab-size"):  # fmt: skip
+    for flag in (
+        "num-layers",
+        "hidden-size",
+        "num-attention-heads",
+        "num-query-groups",
+        "ffn-hidden-size",
+        "seq-length",
+        "vocab-size",
+    ):
         p.add_argument(f"--{flag}", type=int, help="overrides the preset")
     p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1)
     p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1)
@@ -54,11 +60,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _model(args) -> ModelConfig:
     llama = PRESETS[args.model].get("llama", False)
-    vocab = args.vocab_size or PRESETS[args.model].get("vocab_size") or DEFAULT_VOCAB[
-        "llama" if llama else "gpt"]  # fmt: skip
-    overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
-                                               "num_query_groups", "ffn_hidden_size",
-                                               "seq_length")}  # fmt: skip
+    vocab = (
+        args.vocab_size
+        or PRESETS[args.model].get("vocab_size")
+        or DEFAULT_VOCAB["llama" if llama else "gpt"]
+    )
+    overrides = {
+        k: getattr(args, k)
+        for k in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "ffn_hidden_size",
+            "seq_length",
+        )
+    }
     model = ModelConfig.from_preset(args.model, **overrides, vocab_size=vocab)
     model.max_position_embeddings = max(model.max_position_embeddings, model.seq_length)
     return model
@@ -67,13 +84,19 @@ def _model(args) -> ModelConfig:
 def _layout(args) -> Layout:
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     return Layout(
-        tensor_parallel=args.tp, pipeline_parallel=args.pp, data_parallel=args.dp,
-        zero_stage=args.zero, micro_batch_size=args.micro_batch_size,
-        global_batch_size=args.global_batch_size, precision=precision,
-        freeze_lm=args.freeze_lm, recompute_activations=args.recompute_activations,
-        tempnet=not args.no_tempnet, tempnet_hidden_size=args.tempnet_hidden_size,
+        tensor_parallel=args.tp,
+        pipeline_parallel=args.pp,
+        data_parallel=args.dp,
+        zero_stage=args.zero,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        precision=precision,
+        freeze_lm=args.freeze_lm,
+        recompute_activations=args.recompute_activations,
+        tempnet=not args.no_tempnet,
+        tempnet_hidden_size=args.tempnet_hidden_size,
         tempnet_proj_size=args.tempnet_proj_size,
-    )  # fmt: skip
+    )
 
 
 def _count(n: float) -> str:
@@ -100,8 +123,11 @@ def report(model: ModelConfig, layout: Layout, gpu_gb: float) -> str:
     }
     whole = stage_params(model, Layout(tempnet=lay.tempnet, **sizes))[0]  # one GPU holds it all
     trainable = p.tempnet + (0 if lay.freeze_lm else p.lm)
-    holds = [f"{p.layers} layers"] + (["embeddings"] if p.first else []) + (
-        ["final norm, output layer, TempNet, loss"] if p.last else [])  # fmt: skip
+    holds = (
+        [f"{p.layers} layers"]
+        + (["embeddings"] if p.first else [])
+        + (["final norm, output layer, TempNet, loss"] if p.last else [])
+    )
     lines = [
         f"{model_name(model)}: TP {lay.tensor_parallel} x PP {lay.pipeline_parallel} x DP "
         f"{lay.data_parallel} ({gpus} GPUs), ZeRO-{lay.zero_stage}, {lay.precision}, micro-batch "
@@ -115,16 +141,20 @@ def report(model: ModelConfig, layout: Layout, gpu_gb: float) -> str:
         lines.append(f"  {name:<22} {value / GIB:9.2f} GiB")
     total = fullest.total / GIB
     verdict = "fits" if total <= gpu_gb else "does NOT fit"
-    lines.append(f"  {'total':<22} {total:9.2f} GiB of {gpu_gb:g} GiB: {verdict} "
-                 f"({gpu_gb - total:+.2f} GiB headroom)")  # fmt: skip
+    lines.append(
+        f"  {'total':<22} {total:9.2f} GiB of {gpu_gb:g} GiB: {verdict} "
+        f"({gpu_gb - total:+.2f} GiB headroom)"
+    )
     lines.append("  (not counted: CUDA context, NCCL buffers, allocator fragmentation)")
     return "\n".join(lines)
 
 
 def model_name(model: ModelConfig) -> str:
     kind = "LLaMA" if model.swiglu else "GPT"
-    return (f"{kind} {model.num_layers} layers x {model.hidden_size} hidden, vocabulary "
-            f"{model.vocab_size}")  # fmt: skip
+    return (
+        f"{kind} {model.num_layers} layers x {model.hidden_size} hidden, vocabulary "
+        f"{model.vocab_size}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,4 +164,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_tool(main, (EstimateError,)))
+    sys.exit(run_tool(main))

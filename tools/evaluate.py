@@ -22,15 +22,14 @@ import sys
 
 import torch.distributed as dist
 
-from megatron_tempnet.data.cli import run_tool
 from megatron_tempnet.inference.cli import (
     add_model_args,
     load_from_args,
-    user_errors,
-    write_atomic,
 )
 from megatron_tempnet.inference.evaluation import score_tokens, summarise
 from megatron_tempnet.inference.model import InferenceError
+from megatron_tempnet.utils.cli import run_tool
+from megatron_tempnet.utils.files import write_atomic
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,8 +69,9 @@ def read_documents(args, tokenizer) -> list[list[int]]:
             try:
                 text = json.loads(line)[args.json_key]
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise InferenceError(f"{args.jsonl}:{number}: not a JSON object with a string "
-                                     f"{args.json_key!r}") from None  # fmt: skip
+                raise InferenceError(
+                    f"{args.jsonl}:{number}: not a JSON object with a string {args.json_key!r}"
+                ) from None
             if not isinstance(text, str):
                 raise InferenceError(f"{args.jsonl}:{number}: {args.json_key!r} is not a string")
             documents.append(tokenizer.tokenize(text))
@@ -95,20 +95,31 @@ def main(argv: list[str] | None = None) -> int:
         documents = [[t for d in documents for t in (d if args.data_path else d + eod)]]
     scores = [score_tokens(model, d, window=window, fixed_tau=args.fixed_tau) for d in documents]
     summary = summarise(scores)
-    summary.update(documents=len(documents) if args.documents == "separate" else None,
-                   tau_source="fixed" if args.fixed_tau is not None else "tempnet")  # fmt: skip
+    summary.update(
+        documents=len(documents) if args.documents == "separate" else None,
+        tau_source="fixed" if args.fixed_tau is not None else "tempnet",
+    )
     if dist.get_rank() == 0:
         print(json.dumps(summary))
         if args.output:
             write_atomic(args.output, json.dumps(summary, indent=2) + "\n")
         if args.per_token_output:
-            rows = [json.dumps({"index": i, "targets": s.targets, "ce": s.ce,
-                                "tllm_logprob": [-x for x in s.tllm_ce], "tau": s.tau})
-                    for i, s in enumerate(scores)]  # fmt: skip
+            rows = [
+                json.dumps(
+                    {
+                        "index": i,
+                        "targets": s.targets,
+                        "ce": s.ce,
+                        "tllm_logprob": [-x for x in s.tllm_ce],
+                        "tau": s.tau,
+                    }
+                )
+                for i, s in enumerate(scores)
+            ]
             write_atomic(args.per_token_output, "".join(r + "\n" for r in rows))
     dist.barrier()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(run_tool(main, user_errors()))
+    sys.exit(run_tool(main))

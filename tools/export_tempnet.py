@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_tempnet.data.cli import run_tool
 from megatron_tempnet.inference.checkpoint_io import CheckpointReader
-from megatron_tempnet.tempnet.export import TempNetFileError, export_tempnet
-from megatron_tempnet.training.checkpoint import CheckpointError
+from megatron_tempnet.inference.model import tempnet_settings
+from megatron_tempnet.tempnet.export import export_tempnet
+from megatron_tempnet.trainer.checkpoint_format import CheckpointError
+from megatron_tempnet.utils.cli import run_tool
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,13 +29,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     reader = CheckpointReader(args.load)
     if not reader.has_tempnet():
-        raise CheckpointError(f"--load {args.load}: {reader.path} holds no TempNet "
-                              "(a run with --tau-source tempnet saves one)")  # fmt: skip
-    loss = reader.config.get("loss", {})
-    trained_with = {k: loss.get(k) for k in ("loss", "rho", "tau_min", "tau_max", "stop_grad")}
+        raise CheckpointError(
+            f"--load {args.load}: {reader.path} holds no TempNet (a run with --tau-source "
+            "tempnet saves one)"
+        )
+    settings = {**reader.config.get("loss", {}), **tempnet_settings(reader.config)}
+    keys = ("loss", "rho", "tau_min", "tau_max", "stop_grad")
+    trained_with = {k: settings.get(k) for k in keys}
     trained_with["checkpoint"] = reader.path
-    config = export_tempnet(reader.tempnet_state(), args.output, tau_min=loss["tau_min"],
-                            tau_max=loss["tau_max"], trained_with=trained_with)  # fmt: skip
+    config = export_tempnet(
+        reader.tempnet_state(),
+        args.output,
+        tau_min=settings["tau_min"],
+        tau_max=settings["tau_max"],
+        trained_with=trained_with,
+    )
     print(
         f"wrote {args.output}: TempNet d1={config['d1']} d2={config['d2']} over "
         f"{config['vocab_size']} tokens, tau in [{config['tau0']}, {config['tau_max']}]"
@@ -43,4 +52,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_tool(main, (CheckpointError, TempNetFileError)))
+    sys.exit(run_tool(main))

@@ -23,15 +23,14 @@ import sys
 
 import torch.distributed as dist
 
-from megatron_tempnet.data.cli import run_tool
 from megatron_tempnet.inference.cli import (
     add_model_args,
     load_from_args,
-    user_errors,
-    write_atomic,
 )
 from megatron_tempnet.inference.generation import GenerationError, generate, token_texts
 from megatron_tempnet.inference.sampling import SamplingConfig
+from megatron_tempnet.utils.cli import run_tool
+from megatron_tempnet.utils.files import write_atomic
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,14 +89,22 @@ def main(argv: list[str] | None = None) -> int:
     for i, tokens in enumerate(ids):
         if not tokens:
             raise GenerationError(f"--prompts {args.prompts}: prompt {i + 1} has no tokens")
-    sampling = SamplingConfig(greedy=not args.sample, top_k=args.top_k, top_p=args.top_p,
-                              seed=args.seed)  # fmt: skip
-    outputs = generate(model, ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                       fixed_tau=args.fixed_tau,
-                       eod=None if args.ignore_eod else tokenizer.eod)  # fmt: skip
+    sampling = SamplingConfig(
+        greedy=not args.sample, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+    )
+    outputs = generate(
+        model,
+        ids,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        fixed_tau=args.fixed_tau,
+        eod=None if args.ignore_eod else tokenizer.eod,
+    )
     if dist.get_rank() == 0:
-        records = [_record(i, p, t, out, tokenizer, args) for i, (p, t, out)
-                   in enumerate(zip(prompts, ids, outputs))]  # fmt: skip
+        records = [
+            _record(i, p, t, out, tokenizer, args)
+            for i, (p, t, out) in enumerate(zip(prompts, ids, outputs))
+        ]
         _write(records, args.output)
     dist.barrier()
     return 0
@@ -105,14 +112,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def _record(index: int, prompt: str, prompt_ids: list[int], out, tokenizer, args) -> dict:
     return {
-        "index": index, "prompt": prompt, "response": tokenizer.detokenize(out.token_ids),
-        "token_ids": out.token_ids, "tokens": token_texts(tokenizer.detokenize, out.token_ids,
-                                                          prompt_ids),
-        "tau": out.tau, "tau_source": "fixed" if args.fixed_tau is not None else "tempnet",
+        "index": index,
+        "prompt": prompt,
+        "response": tokenizer.detokenize(out.token_ids),
+        "token_ids": out.token_ids,
+        "tokens": token_texts(tokenizer.detokenize, out.token_ids, prompt_ids),
+        "tau": out.tau,
+        "tau_source": "fixed" if args.fixed_tau is not None else "tempnet",
         "stopped_at_eod": out.stopped_at_eod,
-        "sampling": {"greedy": not args.sample, "top_k": args.top_k, "top_p": args.top_p,
-                     "seed": args.seed, "tau_max_eval": args.tau_max_eval},
-    }  # fmt: skip
+        "sampling": {
+            "greedy": not args.sample,
+            "top_k": args.top_k,
+            "top_p": args.top_p,
+            "seed": args.seed,
+            "tau_max_eval": args.tau_max_eval,
+        },
+    }
 
 
 def _write(records: list[dict], path: str | None) -> None:
@@ -124,4 +139,4 @@ def _write(records: list[dict], path: str | None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_tool(main, user_errors()))
+    sys.exit(run_tool(main))

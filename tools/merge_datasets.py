@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_tempnet.data.cli import run_tool
 from megatron_tempnet.data.indexed import merge_datasets
 from megatron_tempnet.data.preprocess import PreprocessError, check_output_free
+from megatron_tempnet.utils.cli import run_tool
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -11,12 +11,14 @@ writes data/owt2_text_document.bin/.idx (train with --data-path data/owt2_text_d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-from megatron_tempnet.data.arguments import add_tokenizer_args
-from megatron_tempnet.data.cli import expand_inputs, run_tool
+from megatron_tempnet.data.jsonl import expand_inputs
 from megatron_tempnet.data.preprocess import PreprocessConfig, run_preprocess
-from megatron_tempnet.data.tokenizers import tokenizer_spec
+from megatron_tempnet.data.tokenizers import TokenizerConfig
+from megatron_tempnet.utils.cli import run_tool
+from megatron_tempnet.utils.flags import add_flags, from_flags
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument("--json-keys", nargs="+", default=["text"], help="string fields to tokenize")
     g.add_argument("--overwrite", action="store_true", help="replace existing output datasets")
-    add_tokenizer_args(p)
+    add_flags(p, TokenizerConfig, "tokenizer")
     g = p.add_argument_group("processing")
     g.add_argument(
         "--append-eod",
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     config = PreprocessConfig(
         inputs=expand_inputs(args.input),
         output_prefix=args.output_prefix,
-        tokenizer=tokenizer_spec(args),
+        tokenizer=dataclasses.asdict(from_flags(TokenizerConfig, args)),
         json_keys=tuple(args.json_keys),
         append_eod=args.append_eod,
         workers=args.workers,

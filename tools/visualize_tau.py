@@ -39,8 +39,9 @@ def read_records(path: str, indices: list[int] | None) -> list[dict]:
             if not isinstance(r, dict) or "tokens" not in r or "tau" not in r:
                 raise VisualizeError(f"{path}:{number}: needs 'tokens' and 'tau'")
             if len(r["tokens"]) != len(r["tau"]):
-                raise VisualizeError(f"{path}:{number}: {len(r['tokens'])} tokens but "
-                                     f"{len(r['tau'])} tau values")  # fmt: skip
+                raise VisualizeError(
+                    f"{path}:{number}: {len(r['tokens'])} tokens but {len(r['tau'])} tau values"
+                )
             if not all(isinstance(t, (int, float)) and math.isfinite(t) for t in r["tau"]):
                 raise VisualizeError(f"{path}:{number}: a tau value is not a finite number")
             records.append(dict(r, index=r.get("index", len(records))))
@@ -63,23 +64,29 @@ def colour(cmap, tau: float, vmin: float, vmax: float) -> str:
 
 
 def render_html(records: list[dict], cmap, vmin: float, vmax: float) -> str:
-    parts = ["<!DOCTYPE html><html><head><meta charset='utf-8'><title>tau per token</title>",
-             "<style>body{font-family:monospace} .r{white-space:pre-wrap;margin:1em 0}"
-             " .p{color:#888}</style></head><body>",
-             f"<p>tau: <span style='background:{colour(cmap, vmin, vmin, vmax)}'>{vmin:.4f}"
-             f"</span> &hellip; <span style='background:{colour(cmap, vmax, vmin, vmax)}'>"
-             f"{vmax:.4f}</span></p>"]  # fmt: skip
+    parts = [
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>tau per token</title>",
+        "<style>body{font-family:monospace} .r{white-space:pre-wrap;margin:1em 0}"
+        " .p{color:#888}</style></head><body>",
+        f"<p>tau: <span style='background:{colour(cmap, vmin, vmin, vmax)}'>{vmin:.4f}"
+        f"</span> &hellip; <span style='background:{colour(cmap, vmax, vmin, vmax)}'>"
+        f"{vmax:.4f}</span></p>",
+    ]
     for r in records:
         taus = r["tau"]
-        summary = (f"response {r['index']}: {len(taus)} tokens, tau mean "
-                   f"{sum(taus) / max(len(taus), 1):.4f}, min {min(taus, default=0):.4f}, "
-                   f"max {max(taus, default=0):.4f}")  # fmt: skip
+        summary = (
+            f"response {r['index']}: {len(taus)} tokens, tau mean "
+            f"{sum(taus) / max(len(taus), 1):.4f}, min {min(taus, default=0):.4f}, "
+            f"max {max(taus, default=0):.4f}"
+        )
         spans = []
         ids = r.get("token_ids") or [None] * len(taus)
         for text, tau, tid in zip(r["tokens"], taus, ids):
             title = f"id {tid}, tau {tau:.4f}" if tid is not None else f"tau {tau:.4f}"
-            spans.append(f"<span style='background:{colour(cmap, tau, vmin, vmax)}' "
-                         f"title='{title}'>{html.escape(text)}</span>")  # fmt: skip
+            spans.append(
+                f"<span style='background:{colour(cmap, tau, vmin, vmax)}' "
+                f"title='{title}'>{html.escape(text)}</span>"
+            )
         parts.append(
             f"<p>{html.escape(summary)}</p><div class='r'><span class='p'>"
             f"{html.escape(r.get('prompt', ''))}</span>{''.join(spans)}</div>"
@@ -111,8 +118,15 @@ def render_png(records: list[dict], cmap, vmin: float, vmax: float, width: int, 
         x = 0
         for text, tau in line:
             face = "white" if math.isnan(tau) else colour(cmap, tau, vmin, vmax)
-            ax.text(x, row + 0.5, text, family="monospace", fontsize=9, va="center",
-                    bbox=dict(facecolor=face, edgecolor="none", pad=1))  # fmt: skip
+            ax.text(
+                x,
+                row + 0.5,
+                text,
+                family="monospace",
+                fontsize=9,
+                va="center",
+                bbox=dict(facecolor=face, edgecolor="none", pad=1),
+            )
             x += len(text)
     mappable = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(vmin, vmax))
     fig.colorbar(mappable, ax=ax, label="tau", fraction=0.03)
@@ -153,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     if "png" in args.format:
         render_png(records, cmap, vmin, vmax, args.width_chars, out + ".png.partial")
         os.replace(out + ".png.partial", out + ".png")
-    print(f"wrote {', '.join(out + '.' + f for f in args.format)}: {len(records)} response(s), "
-          f"tau in [{vmin:.4f}, {vmax:.4f}]")  # fmt: skip
+    print(
+        f"wrote {', '.join(out + '.' + f for f in args.format)}: {len(records)} response(s), "
+        f"tau in [{vmin:.4f}, {vmax:.4f}]"
+    )
     return 0
 
 

@@ -1,1 +1,2 @@
-"""Tokenizers, JSON-lines preprocessing, indexed datasets and GPT data loading."""
+"""Tokenizers, JSON-lines preprocessing, indexed datasets, GPT dataset blends and the resumable
+loader."""

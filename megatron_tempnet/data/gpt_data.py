@@ -1,13 +1,10 @@
-"""GPT training data: megatron-core ``GPTDataset`` blends and a resumable sampler.
+"""GPT training data: megatron-core ``GPTDataset`` blends of indexed token datasets.
 
 Datasets come from megatron-core's ``BlendedMegatronDatasetBuilder`` (``--data-path [w1] p1
 [w2] p2 ...``, ``--split``); their document/sample/shuffle indices are cached under
 ``--data-cache-path`` by megatron-core and reused by every later run with the same settings
-(``tools/build_data_cache.py`` builds them ahead of training on one process).
-
-The position in the data is one number, the global count of consumed samples. The sampler
-starts from it, and ``DataState`` keeps it (with a fingerprint of the dataset) for checkpoints,
-so a resumed run sees exactly the samples an uninterrupted run would have seen.
+(``tools/build_data_cache.py`` builds them ahead of training on one process). The training loop
+reads them through ``loader.ResumableLoader``.
 """
 
 from __future__ import annotations
@@ -15,40 +12,38 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from megatron_tempnet.data.indexed import document_count, validate_indexed_dataset
-from megatron_tempnet.utils.logging import get_logger, warn_rank0
+from megatron_tempnet.data.loader import DataConfigError
+from megatron_tempnet.utils.flags import derived, option
+from megatron_tempnet.utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-
-class DataConfigError(ValueError):
-    """A data flag with an unusable value; the message names the flag."""
 
 
 @dataclass
 class GPTDataConfig:
     """Where the training tokens come from and how samples are cut."""
 
-    data_path: list[str]
-    """--data-path: dataset prefixes, optionally each preceded by its weight: [w1] p1 [w2] p2."""
+    data_path: list[str] = option(metavar="[WEIGHT] PREFIX")
+    """Indexed dataset prefixes (tools/preprocess_data.py's output), each optionally preceded by
+    its blending weight: [w1] p1 [w2] p2 ..."""
     split: str = "969,30,1"
-    """--split: train,valid,test proportions of every dataset's documents."""
+    """Train,valid,test proportions of every dataset's documents."""
     seq_length: int = 1024
-    """--seq-length: tokens per sample (each sample reads seq_length + 1 tokens)."""
+    """Tokens per sample (each sample reads seq_length + 1 tokens)."""
     seed: int = 1234
-    """--seed: shuffles documents and samples."""
+    """Shuffles the documents and samples."""
     data_cache_path: str | None = None
-    """--data-cache-path: where the sample indices are cached (default: beside each dataset)."""
+    """Directory for the cached sample indices (default: beside each dataset)."""
     reset_position_ids: bool = False
-    """--reset-position-ids: restart position ids after every end-of-document token."""
+    """Restart the position ids after every end-of-document token."""
     reset_attention_mask: bool = False
-    """--reset-attention-mask: no attention across end-of-document tokens."""
+    """No attention across end-of-document tokens."""
     eod_mask_loss: bool = False
-    """--eod-mask-loss: no loss on end-of-document targets."""
-    create_attention_mask: bool = False
+    """No loss on end-of-document targets."""
+    create_attention_mask: bool = derived(False)
     """Return an explicit [1, s, s] causal mask per sample (only needed by some kernels)."""
 
 
@@ -184,123 +179,3 @@ def _process_group_for_builder():
         yield
     finally:
         dist.destroy_process_group()
-
-
-def dataset_fingerprint(dataset) -> str | None:
-    """megatron-core's hash of everything that decides a dataset's samples (None for None)."""
-    return None if dataset is None else dataset.unique_description_hash
-
-
-class PretrainingSampler:
-    """Micro-batches of sample indices for one data-parallel rank, in global order.
-
-    Global batch ``g`` (of ``micro_batch_size * data_parallel_size`` samples) covers indices
-    ``consumed_samples + g * mbs * dp ...``; rank ``r`` takes the ``r``-th slice of each. Only
-    full global micro-batches are produced. Starting from ``consumed_samples`` resumes exactly.
-    """
-
-    def __init__(
-        self,
-        total_samples: int,
-        consumed_samples: int,
-        micro_batch_size: int,
-        data_parallel_rank: int,
-        data_parallel_size: int,
-    ):
-        if micro_batch_size < 1 or data_parallel_size < 1:
-            raise DataConfigError("micro batch size and data-parallel size must be >= 1")
-        if not 0 <= data_parallel_rank < data_parallel_size:
-            raise DataConfigError(
-                f"data-parallel rank {data_parallel_rank} outside [0, {data_parallel_size})"
-            )
-        if not 0 <= consumed_samples <= total_samples:
-            raise DataConfigError(
-                f"consumed samples ({consumed_samples}) outside the dataset's {total_samples}: "
-                "the checkpoint's data position does not fit this dataset"
-            )
-        self.total_samples = total_samples
-        self.consumed_samples = consumed_samples
-        self.micro_batch_size = micro_batch_size
-        self.rank, self.world = data_parallel_rank, data_parallel_size
-
-    def __len__(self) -> int:
-        return (self.total_samples - self.consumed_samples) // (self.micro_batch_size * self.world)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        step = self.micro_batch_size * self.world
-        first = self.consumed_samples + self.rank * self.micro_batch_size
-        for start in range(first, first + len(self) * step, step):
-            yield list(range(start, start + self.micro_batch_size))
-
-
-@dataclass
-class DataState:
-    """The checkpointed position in the training data."""
-
-    consumed_samples: int
-    fingerprint: str | None
-
-    def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples, "fingerprint": self.fingerprint}
-
-    @classmethod
-    def from_state_dict(cls, state: dict, dataset) -> DataState:
-        """Restore, warning when the dataset now differs from the checkpoint's."""
-        now = dataset_fingerprint(dataset)
-        if state.get("fingerprint") and now and state["fingerprint"] != now:
-            warn_rank0(
-                "the training data differs from the checkpoint's (dataset hash %s, was %s): "
-                "the resumed run continues at sample %d of the new data",
-                now,
-                state["fingerprint"],
-                state["consumed_samples"],
-            )
-        return cls(int(state["consumed_samples"]), now)
-
-
-class ResumableLoader:
-    """A DataLoader over a ``PretrainingSampler`` that counts what it has handed out.
-
-    ``state()`` is the position after the micro-batches returned so far, whatever the
-    DataLoader's workers have prefetched.
-    """
-
-    def __init__(
-        self,
-        dataset,
-        state: DataState,
-        micro_batch_size: int,
-        data_parallel_rank: int = 0,
-        data_parallel_size: int = 1,
-        num_workers: int = 0,
-    ):
-        import torch
-
-        self.state_ = DataState(state.consumed_samples, state.fingerprint)
-        self._step = micro_batch_size * data_parallel_size
-        sampler = PretrainingSampler(
-            len(dataset),
-            state.consumed_samples,
-            micro_batch_size,
-            data_parallel_rank,
-            data_parallel_size,
-        )
-        self._loader = torch.utils.data.DataLoader(
-            dataset,
-            batch_sampler=sampler,
-            num_workers=num_workers,
-            pin_memory=False,
-            persistent_workers=num_workers > 0,
-        )
-        self._iter = iter(self._loader)
-
-    def __iter__(self) -> ResumableLoader:
-        return self
-
-    def __next__(self) -> dict:
-        batch = next(self._iter)
-        self.state_.consumed_samples += self._step
-        return batch
-
-    def state(self) -> DataState:
-        return DataState(self.state_.consumed_samples, self.state_.fingerprint)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_tempnet.utils.cli import UserError
+
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 _PREAMBLE = struct.Struct("<9sQBQQ")  # header, version, dtype code, sequences, documents
 PARTIAL = ".partial"
@@ -41,7 +43,7 @@ _DTYPE_CODES = {
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """An indexed dataset that is missing, truncated or inconsistent; names the file."""
 
 

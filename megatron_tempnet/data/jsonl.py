@@ -15,11 +15,13 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from megatron_tempnet.utils.cli import UserError
+
 _READ_BLOCK = 1 << 20  # compressed bytes per read
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".jsonl.zst", ".jsonl.gz", ".json.zst", ".json.gz")
 
 
-class InputError(ValueError):
+class InputError(UserError, ValueError):
     """Unreadable input: names the file and, where there is one, the line."""
 
 
@@ -31,6 +33,23 @@ class LineChunk:
     first_line: int  # 1-based line number of lines[0]
     lines: list[bytes]
     nbytes: int  # uncompressed bytes, newlines included
+
+
+def expand_inputs(paths: list[str]) -> list[str]:
+    """Files as given, directories expanded to their supported files in sorted order."""
+    files: list[str] = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = sorted(
+                os.path.join(path, f) for f in os.listdir(path) if f.endswith(SUPPORTED_SUFFIXES)
+            )
+            if not found:
+                raise InputError(f"--input {path!r}: directory holds no {SUPPORTED_SUFFIXES} files")
+            files += found
+        else:
+            check_input_path(path)
+            files.append(path)
+    return files
 
 
 def check_input_path(path: str) -> None:

@@ -32,12 +32,13 @@ from megatron_tempnet.data.indexed import (
 )
 from megatron_tempnet.data.jsonl import InputError, LineChunk, iter_line_chunks, parse_line
 from megatron_tempnet.data.tokenizers import build_tokenizer
+from megatron_tempnet.utils.cli import Interrupted, UserError
 from megatron_tempnet.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 
-class PreprocessError(ValueError):
+class PreprocessError(UserError, ValueError):
     """A user-facing preprocessing failure: names the flag, or the file and line."""
 
 
@@ -129,14 +130,6 @@ def encode_chunk(chunk: LineChunk) -> EncodedChunk:
 
 
 # ---- main process ------------------------------------------------------------------------------
-
-
-class Interrupted(Exception):
-    """SIGINT/SIGTERM during preprocessing: partial outputs are removed before exiting."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"interrupted by {signal.Signals(signum).name}")
-        self.signum = signum
 
 
 def _raise_interrupted(signum, frame):

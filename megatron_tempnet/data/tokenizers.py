@@ -10,16 +10,39 @@ The module imports no torch, so preprocessing workers start quickly.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_tempnet.utils.cli import UserError
+from megatron_tempnet.utils.flags import option
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
 GPT2_EOD_TOKEN = "<|endoftext|>"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
     """A tokenizer that cannot be built from the given files or flags."""
+
+
+@dataclass
+class TokenizerConfig:
+    """Which tokenizer, from which files (Megatron-LM's flags)."""
+
+    tokenizer_type: str = option(choices=TOKENIZER_TYPES)
+    """The tokenizer's kind: SentencePiece (LLaMA-2), GPT-2 byte-level BPE, or a local Hugging
+    Face tokenizer directory."""
+    tokenizer_model: str | None = None
+    """SentencePiece .model file, or a Hugging Face tokenizer directory."""
+    vocab_file: str | None = None
+    """GPT-2 vocab.json."""
+    merge_file: str | None = None
+    """GPT-2 merges.txt."""
+
+    def build(self) -> _Tokenizer:
+        return build_tokenizer(**dataclasses.asdict(self))
 
 
 def _file_digest(*paths: str) -> str:
@@ -187,13 +210,3 @@ def build_tokenizer(
     raise TokenizerError(
         f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}"
     )
-
-
-def tokenizer_spec(args) -> dict:
-    """The keyword arguments of ``build_tokenizer`` from parsed flags (picklable, for workers)."""
-    return {
-        "tokenizer_type": args.tokenizer_type,
-        "tokenizer_model": getattr(args, "tokenizer_model", None),
-        "vocab_file": getattr(args, "vocab_file", None),
-        "merge_file": getattr(args, "merge_file", None),
-    }

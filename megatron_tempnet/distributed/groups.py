@@ -1,8 +1,7 @@
-"""Tensor-parallel group resolution and megatron-core's vocabulary partitioning."""
+"""Tensor-parallel groups and megatron-core's vocabulary partitioning."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -35,16 +34,9 @@ class TPGroup:
 
 
 def resolve_tp_group(tp_group: dist.ProcessGroup | None = None) -> TPGroup:
-    """The group to reduce over.
-
-    An explicit ``tp_group`` wins. ``None`` means megatron-core's tensor-parallel group when
-    ``parallel_state`` is initialised, otherwise a single rank (no communication).
-    """
-    if tp_group is None:
-        # megatron-core is slow to import; if nobody imported it, it cannot be initialised.
-        ps = sys.modules.get("megatron.core.parallel_state")
-        if ps is not None and ps.model_parallel_is_initialized():
-            tp_group = ps.get_tensor_model_parallel_group()
+    """The group to reduce over, with this process's rank in it; ``None``: no tensor
+    parallelism (one rank, no communication). Callers pass their group explicitly, e.g.
+    megatron-core's ``parallel_state.get_tensor_model_parallel_group()``."""
     if tp_group is None:
         return TPGroup(group=None, rank=0, size=1)
     return TPGroup(group=tp_group, rank=dist.get_rank(tp_group), size=dist.get_world_size(tp_group))

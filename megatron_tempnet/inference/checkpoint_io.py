@@ -1,7 +1,7 @@
 """Reading and writing this project's checkpoints without building the model or a process group.
 
 A checkpoint directory ``DIR`` has ``DIR/latest`` naming ``DIR/iter_XXXXXXX/``, which holds
-DeepSpeed's files (``training.checkpoint``):
+DeepSpeed's files (``trainer.checkpoint_format``):
 
 - pipeline parallelism 1: ``mp_rank_{t:02d}_model_states.pt`` per TP rank ``t``, the module's
   state under ``"module"`` (keys ``lm.pieces.{i}.…`` and ``tempnet.…``);
@@ -25,13 +25,14 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_tempnet.models.gpt import ModelConfig
-from megatron_tempnet.models.sharding import merge, shard
-from megatron_tempnet.training.checkpoint import (
+from megatron_tempnet.models.gpt.config import ModelConfig
+from megatron_tempnet.models.gpt.sharding import merge, shard
+from megatron_tempnet.trainer.checkpoint_format import (
     FROZEN_LM_EXCLUDED,
     WEIGHTS_ONLY,
     CheckpointError,
-    latest_tag,
+    checkpoint_dir,
+    publish_latest,
     tag_for,
 )
 
@@ -70,19 +71,6 @@ def lm_names(model: ModelConfig) -> list[str]:
         last = model.num_layers + 3
         names += [f"pieces.{last}.output_layer.weight", f"pieces.{last}.output_layer._extra_state"]
     return names
-
-
-def checkpoint_dir(load_dir: str, flag: str = "--load") -> str:
-    """``load_dir``'s newest complete checkpoint (``latest``), or a ``CheckpointError``."""
-    if not os.path.isdir(load_dir):
-        raise CheckpointError(f"{flag} {load_dir}: no such directory")
-    tag = latest_tag(load_dir)
-    if tag is None:
-        raise CheckpointError(f"{flag} {load_dir}: no checkpoint there (no 'latest' file)")
-    path = os.path.join(load_dir, tag)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{flag} {load_dir}: 'latest' names {tag}, which is missing")
-    return path
 
 
 class CheckpointReader:
@@ -185,11 +173,12 @@ def write_checkpoint(
     names = lm_names(model)
 
     def sharded(rank: int, keys: list[str]) -> dict:
-        return {
-            k: None if k.endswith("_extra_state")
-            else shard(k, full(k), rank, tp, swiglu=model.swiglu, padded_vocab=padded)
-            for k in keys
-        }  # fmt: skip
+        def one(k: str):
+            if k.endswith("_extra_state"):
+                return None
+            return shard(k, full(k), rank, tp, swiglu=model.swiglu, padded_vocab=padded)
+
+        return {k: one(k) for k in keys}
 
     run_config = dict(config or {}, model=model.__dict__.copy())
     if pp == 1:
@@ -207,27 +196,25 @@ def write_checkpoint(
             _save(_mp_state(None, tp * pp, run_config), out, f"mp_rank_{rank:02d}_model_states.pt")
     with open(os.path.join(out, WEIGHTS_ONLY), "w") as f:
         f.write(note or "Weights only: no optimizer, RNG or data position.\n")
-    _publish_latest(save_dir, tag)
+    publish_latest(save_dir, tag)
     return out
 
 
 def _mp_state(module: dict | None, mp_world_size: int, config: dict) -> dict:
     """The engine file DeepSpeed reads for a module-only load (and our run config)."""
     return {
-        "module": module, "buffer_names": [], "dp_world_size": 1,
-        "mp_world_size": mp_world_size, "global_steps": 0, "skipped_steps": 0,
-        "iteration": 0, "config": config,
-    }  # fmt: skip
+        "module": module,
+        "buffer_names": [],
+        "dp_world_size": 1,
+        "mp_world_size": mp_world_size,
+        "global_steps": 0,
+        "skipped_steps": 0,
+        "iteration": 0,
+        "config": config,
+    }
 
 
 def _save(obj, directory: str, name: str) -> None:
     tmp = os.path.join(directory, name + ".partial")
     torch.save(obj, tmp)
     os.replace(tmp, os.path.join(directory, name))
-
-
-def _publish_latest(save_dir: str, tag: str) -> None:
-    tmp = os.path.join(save_dir, "latest.tmp")
-    with open(tmp, "w") as f:
-        f.write(tag)
-    os.replace(tmp, os.path.join(save_dir, "latest"))

@@ -32,8 +32,9 @@ class TokenScores:
 
 
 @torch.no_grad()
-def score_tokens(model: InferenceModel, tokens: list[int], *, window: int,
-                 fixed_tau: float | None = None) -> TokenScores:  # fmt: skip
+def score_tokens(
+    model: InferenceModel, tokens: list[int], *, window: int, fixed_tau: float | None = None
+) -> TokenScores:
     """CE and T-LLM CE of every token after the first, in windows of ``window`` predictions.
 
     Windows do not overlap: the first token of a window is predicted from that window only.
@@ -41,9 +42,9 @@ def score_tokens(model: InferenceModel, tokens: list[int], *, window: int,
     from megatron_tempnet.distributed.groups import resolve_tp_group, vocab_partition
     from megatron_tempnet.inference.sampling import parallel_argmax
 
-    tp = resolve_tp_group()
-    part = vocab_partition(model.model.padded_vocab_size(tp.size) // tp.size, tp.rank,
-                           model.vocab_size)  # fmt: skip
+    tp = resolve_tp_group(model.tp_group)
+    padded = model.model.padded_vocab_size(tp.size)
+    part = vocab_partition(padded // tp.size, tp.rank, model.vocab_size)
     scores = TokenScores()
     device = next(model.lm.parameters()).device
     for start in range(0, len(tokens) - 1, window):
@@ -54,7 +55,7 @@ def score_tokens(model: InferenceModel, tokens: list[int], *, window: int,
             tau = torch.full(targets.shape, float(fixed_tau), device=device)
         else:
             tau = model.tempnet(logits.to(model.tempnet.weight1.dtype)).float()
-        common = {"vocab_size": model.vocab_size}
+        common = {"vocab_size": model.vocab_size, "tp_group": model.tp_group}
         ce = temperature_scaled_cross_entropy(logits, targets, 1.0, **common)
         tllm = temperature_scaled_cross_entropy(logits, targets, tau, **common)
         scores.targets += targets[0].tolist()
@@ -78,7 +79,12 @@ def summarise(all_scores: list[TokenScores]) -> dict:
         raise InferenceError("nothing to evaluate: every document is shorter than 2 tokens")
     mean_ce, mean_tllm = sum(ce) / n, sum(tllm) / n
     return {
-        "tokens": n, "ce_loss": mean_ce, "ppl": math.exp(mean_ce), "tllm_loss": mean_tllm,
-        "tllm_ppl": math.exp(mean_tllm), "tau_mean": sum(tau) / n, "tau_min": min(tau),
+        "tokens": n,
+        "ce_loss": mean_ce,
+        "ppl": math.exp(mean_ce),
+        "tllm_loss": mean_tllm,
+        "tllm_ppl": math.exp(mean_tllm),
+        "tau_mean": sum(tau) / n,
+        "tau_min": min(tau),
         "tau_max": max(tau),
-    }  # fmt: skip
+    }

@@ -30,9 +30,15 @@ class GenerationError(InferenceError):
     """A prompt that cannot be generated from; names it."""
 
 
-def generate(model: InferenceModel, prompts: list[list[int]], *, max_new_tokens: int,
-             sampling: SamplingConfig, fixed_tau: float | None = None,
-             eod: int | None = None) -> list[Generated]:  # fmt: skip
+def generate(
+    model: InferenceModel,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    fixed_tau: float | None = None,
+    eod: int | None = None,
+) -> list[Generated]:
     """Continue every prompt (token ids) by up to ``max_new_tokens`` tokens.
 
     tau comes from ``model.tempnet`` unless ``fixed_tau`` is given. Generation stops early at
@@ -40,7 +46,7 @@ def generate(model: InferenceModel, prompts: list[list[int]], *, max_new_tokens:
     """
     if fixed_tau is None and model.tempnet is None:
         raise GenerationError("the checkpoint has no TempNet: give a fixed tau or --tempnet")
-    tp = resolve_tp_group()
+    tp = resolve_tp_group(model.tp_group)
     padded = model.model.padded_vocab_size(tp.size)
     chooser = TokenChooser(sampling, model.vocab_size, tp, padded // tp.size)
     limit = model.model.max_position_embeddings

@@ -38,8 +38,7 @@ class TempNetLogitsProcessor(LogitsProcessor):
     the first ``vocab_size`` and every column is divided.
     """
 
-    def __init__(self, tempnet_dir: str, *, tau_max_eval: float | None = None,
-                 record: bool = True):  # fmt: skip
+    def __init__(self, tempnet_dir: str, *, tau_max_eval: float | None = None, record: bool = True):
         self.tempnet = load_tempnet(tempnet_dir, tau_max_eval=tau_max_eval)
         self.record = record
         self._taus: list[torch.Tensor] = []

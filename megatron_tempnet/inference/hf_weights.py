@@ -24,11 +24,15 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megatron_tempnet.models.gpt import ModelConfig
-from megatron_tempnet.training.checkpoint import CheckpointError
+from megatron_tempnet.models.gpt.config import ModelConfig
+from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 
-_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
-          "pytorch_model.bin")  # fmt: skip
+_FILES = (
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+)
 
 
 class HFWeights:
@@ -64,8 +68,9 @@ class HFWeights:
 
                 self._open[file] = safe_open(path, framework="pt")
             else:
-                self._open[file] = torch.load(path, map_location="cpu", mmap=True,
-                                              weights_only=True)  # fmt: skip
+                self._open[file] = torch.load(
+                    path, map_location="cpu", mmap=True, weights_only=True
+                )
         return self._open[file]
 
     def get(self, *names: str) -> torch.Tensor:
@@ -96,42 +101,54 @@ def model_config_from_hf(config: dict) -> ModelConfig:
         if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
             raise CheckpointError(f"rope_scaling {scaling} is not supported (LLaMA-1/2 only)")
         return ModelConfig(
-            num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
+            num_layers=config["num_hidden_layers"],
+            hidden_size=config["hidden_size"],
             num_attention_heads=config["num_attention_heads"],
             num_query_groups=config.get("num_key_value_heads") or config["num_attention_heads"],
             ffn_hidden_size=config["intermediate_size"],
             seq_length=config["max_position_embeddings"],
             max_position_embeddings=config["max_position_embeddings"],
-            normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-            rotary_base=int(theta), add_bias_linear=bool(config.get("attention_bias", False)),
+            normalization="RMSNorm",
+            swiglu=True,
+            position_embedding_type="rope",
+            rotary_base=int(theta),
+            add_bias_linear=bool(config.get("attention_bias", False)),
             untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
-            norm_epsilon=config["rms_norm_eps"], vocab_size=config["vocab_size"],
-        )  # fmt: skip
+            norm_epsilon=config["rms_norm_eps"],
+            vocab_size=config["vocab_size"],
+        )
     if kind == "gpt2":
         act = config.get("activation_function", "gelu_new")
         if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
             raise CheckpointError(f"GPT-2 activation_function {act!r} is not supported")
         return ModelConfig(
-            num_layers=config["n_layer"], hidden_size=config["n_embd"],
+            num_layers=config["n_layer"],
+            hidden_size=config["n_embd"],
             num_attention_heads=config["n_head"],
             ffn_hidden_size=config.get("n_inner") or 4 * config["n_embd"],
-            seq_length=config["n_positions"], max_position_embeddings=config["n_positions"],
-            norm_epsilon=config["layer_norm_epsilon"], vocab_size=config["vocab_size"],
+            seq_length=config["n_positions"],
+            max_position_embeddings=config["n_positions"],
+            norm_epsilon=config["layer_norm_epsilon"],
+            vocab_size=config["vocab_size"],
             openai_gelu=act != "gelu",
             untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", True),
-        )  # fmt: skip
+        )
     raise CheckpointError(f"model_type {kind!r}: only 'llama' and 'gpt2' are supported")
 
 
 def architecture(model: ModelConfig) -> str:
     """``llama`` or ``gpt2``: the HF architecture with the same computation as ``model``."""
     if (model.normalization, model.swiglu, model.position_embedding_type) == (
-        "RMSNorm", True, "rope",
-    ):  # fmt: skip
+        "RMSNorm",
+        True,
+        "rope",
+    ):
         return "llama"
     if (model.normalization, model.swiglu, model.position_embedding_type) == (
-        "LayerNorm", False, "learned_absolute",
-    ) and model.add_bias_linear:  # fmt: skip
+        "LayerNorm",
+        False,
+        "learned_absolute",
+    ) and model.add_bias_linear:
         return "gpt2"
     raise CheckpointError(
         "this model has no Hugging Face equivalent here: LLaMA needs RMSNorm, --swiglu and "
@@ -147,27 +164,40 @@ def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
     tied = not model.untie_embeddings_and_output_weights
     if architecture(model) == "llama":
         return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": model.vocab_size,
+            "hidden_size": model.hidden_size,
             "intermediate_size": model.ffn_hidden_size or 4 * model.hidden_size,
             "num_hidden_layers": model.num_layers,
             "num_attention_heads": model.num_attention_heads,
             "num_key_value_heads": model.num_query_groups or model.num_attention_heads,
             "max_position_embeddings": model.max_position_embeddings,
-            "rms_norm_eps": model.norm_epsilon, "rope_theta": float(model.rotary_base),
-            "hidden_act": "silu", "attention_bias": model.add_bias_linear,
-            "mlp_bias": model.add_bias_linear, "tie_word_embeddings": tied, "dtype": dtype_name,
-        }  # fmt: skip
+            "rms_norm_eps": model.norm_epsilon,
+            "rope_theta": float(model.rotary_base),
+            "hidden_act": "silu",
+            "attention_bias": model.add_bias_linear,
+            "mlp_bias": model.add_bias_linear,
+            "tie_word_embeddings": tied,
+            "dtype": dtype_name,
+        }
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": model.vocab_size, "n_positions": model.max_position_embeddings,
-        "n_embd": model.hidden_size, "n_layer": model.num_layers,
-        "n_head": model.num_attention_heads, "n_inner": model.ffn_hidden_size,
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": model.vocab_size,
+        "n_positions": model.max_position_embeddings,
+        "n_embd": model.hidden_size,
+        "n_layer": model.num_layers,
+        "n_head": model.num_attention_heads,
+        "n_inner": model.ffn_hidden_size,
         "layer_norm_epsilon": model.norm_epsilon,
         "activation_function": "gelu_new" if model.openai_gelu else "gelu",
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-        "tie_word_embeddings": tied, "dtype": dtype_name,
-    }  # fmt: skip
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "tie_word_embeddings": tied,
+        "dtype": dtype_name,
+    }
 
 
 def _group_qkv(q, k, v, groups: int) -> torch.Tensor:
@@ -199,13 +229,17 @@ def _layer_map(model: ModelConfig) -> dict[str, str]:
             names["mlp.linear_fc2.bias"] = "mlp.down_proj.bias"
         return names
     return {
-        "input_layernorm.weight": "ln_1.weight", "input_layernorm.bias": "ln_1.bias",
+        "input_layernorm.weight": "ln_1.weight",
+        "input_layernorm.bias": "ln_1.bias",
         "self_attention.linear_proj.weight": "attn.c_proj.weight",
         "self_attention.linear_proj.bias": "attn.c_proj.bias",
-        "pre_mlp_layernorm.weight": "ln_2.weight", "pre_mlp_layernorm.bias": "ln_2.bias",
-        "mlp.linear_fc1.weight": "mlp.c_fc.weight", "mlp.linear_fc1.bias": "mlp.c_fc.bias",
-        "mlp.linear_fc2.weight": "mlp.c_proj.weight", "mlp.linear_fc2.bias": "mlp.c_proj.bias",
-    }  # fmt: skip
+        "pre_mlp_layernorm.weight": "ln_2.weight",
+        "pre_mlp_layernorm.bias": "ln_2.bias",
+        "mlp.linear_fc1.weight": "mlp.c_fc.weight",
+        "mlp.linear_fc1.bias": "mlp.c_fc.bias",
+        "mlp.linear_fc2.weight": "mlp.c_proj.weight",
+        "mlp.linear_fc2.bias": "mlp.c_proj.bias",
+    }
 
 
 def _transposed(hf_name: str) -> bool:
@@ -255,8 +289,9 @@ def from_hf(model: ModelConfig, hf: HFWeights) -> Callable[[str], torch.Tensor]:
     return full
 
 
-def to_hf(model: ModelConfig, full: Callable[[str], torch.Tensor],
-          names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+def to_hf(
+    model: ModelConfig, full: Callable[[str], torch.Tensor], names: list[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` for every tensor of the HF model, from our full tensors."""
     llama = architecture(model) == "llama"
     L, heads = model.num_layers, model.num_attention_heads

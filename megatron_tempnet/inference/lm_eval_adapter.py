@@ -32,19 +32,35 @@ from megatron_tempnet.inference.sampling import SamplingConfig
 class MegatronTempNetLM(TemplateLM):
     backend = "causal"
 
-    def __init__(self, load: str, tempnet: str | None = None, fixed_tau: float | None = None,
-                 tau_max_eval: float | None = None, pretrained_checkpoint: str | None = None,
-                 tokenizer_type: str | None = None, tokenizer_model: str | None = None,
-                 vocab_file: str | None = None, merge_file: str | None = None,
-                 max_length: int | None = None, bf16: bool = False, **_ignored):  # fmt: skip
+    def __init__(
+        self,
+        load: str,
+        tempnet: str | None = None,
+        fixed_tau: float | None = None,
+        tau_max_eval: float | None = None,
+        pretrained_checkpoint: str | None = None,
+        tokenizer_type: str | None = None,
+        tokenizer_model: str | None = None,
+        vocab_file: str | None = None,
+        merge_file: str | None = None,
+        max_length: int | None = None,
+        bf16: bool = False,
+        **_ignored,
+    ):
         super().__init__()
         args = argparse.Namespace(
-            load=str(load), pretrained_checkpoint=pretrained_checkpoint, tempnet=tempnet,
+            load=str(load),
+            pretrained_checkpoint=pretrained_checkpoint,
+            tempnet=tempnet,
             fixed_tau=None if fixed_tau is None else float(fixed_tau),
             tau_max_eval=None if tau_max_eval is None else float(tau_max_eval),
-            tensor_model_parallel_size=1, bf16=bool(bf16), tokenizer_type=tokenizer_type,
-            tokenizer_model=tokenizer_model, vocab_file=vocab_file, merge_file=merge_file,
-        )  # fmt: skip
+            tensor_model_parallel_size=1,
+            bf16=bool(bf16),
+            tokenizer_type=tokenizer_type,
+            tokenizer_model=tokenizer_model,
+            vocab_file=vocab_file,
+            merge_file=merge_file,
+        )
         self.model, self.tokenizer = load_from_args(args)
         self.fixed_tau = args.fixed_tau
         self.max_length = int(max_length or self.model.model.max_position_embeddings)
@@ -63,8 +79,9 @@ class MegatronTempNetLM(TemplateLM):
         results = []
         for _, context, continuation in requests:
             whole = (context + continuation)[-(self.max_length + 1) :]
-            scores = score_tokens(self.model, whole, window=len(whole) - 1,
-                                  fixed_tau=self.fixed_tau)  # fmt: skip
+            scores = score_tokens(
+                self.model, whole, window=len(whole) - 1, fixed_tau=self.fixed_tau
+            )
             n = len(continuation)
             logprob = -sum(scores.tllm_ce[-n:])
             results.append((logprob, all(scores.greedy[-n:])))
@@ -74,8 +91,9 @@ class MegatronTempNetLM(TemplateLM):
         results = []
         for request in requests:
             tokens = [self.prefix_token_id, *self.tok_encode(request.args[0])]
-            scores = score_tokens(self.model, tokens, window=self.max_length,
-                                  fixed_tau=self.fixed_tau)  # fmt: skip
+            scores = score_tokens(
+                self.model, tokens, window=self.max_length, fixed_tau=self.fixed_tau
+            )
             results.append(-sum(scores.tllm_ce))
         return results
 
@@ -89,9 +107,14 @@ class MegatronTempNetLM(TemplateLM):
             room = self.max_length - 1
             prompt = self.tok_encode(context)[-room:]
             new = min(int(options.get("max_gen_toks", 256)), self.max_length - len(prompt))
-            out = generate(self.model, [prompt], max_new_tokens=max(new, 1),
-                           sampling=SamplingConfig(greedy=True), fixed_tau=self.fixed_tau,
-                           eod=self.eot_token_id)[0]  # fmt: skip
+            out = generate(
+                self.model,
+                [prompt],
+                max_new_tokens=max(new, 1),
+                sampling=SamplingConfig(greedy=True),
+                fixed_tau=self.fixed_tau,
+                eod=self.eot_token_id,
+            )[0]
             text = self.tok_decode(out.token_ids)
             for stop in until:
                 text = text.split(stop, 1)[0]

@@ -15,13 +15,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_tempnet.inference.checkpoint_io import CheckpointReader, lm_names
-from megatron_tempnet.models.gpt import ModelConfig
-from megatron_tempnet.models.sharding import shard
+from megatron_tempnet.models.gpt.config import ModelConfig
+from megatron_tempnet.models.gpt.sharding import shard
 from megatron_tempnet.tempnet import TempNetLM
-from megatron_tempnet.training.checkpoint import CheckpointError
+from megatron_tempnet.trainer.checkpoint_format import CheckpointError
+from megatron_tempnet.utils.cli import UserError
 
 
-class InferenceError(ValueError):
+class InferenceError(UserError, ValueError):
     """Inference flags or inputs that cannot work; names the flag or the input."""
 
 
@@ -34,6 +35,8 @@ class InferenceModel:
     model: ModelConfig
     config: dict
     """The run config saved with the checkpoint (its ``tokenizer`` entry builds the tokenizer)."""
+    tp_group: object = None
+    """The tensor-parallel group the vocabulary is split over (None: no tensor parallelism)."""
 
     @property
     def vocab_size(self) -> int:
@@ -51,7 +54,7 @@ def init_inference(tensor_parallel: int) -> None:
     megatron-core's groups; a lone process with TP = 1 needs no launcher."""
     from megatron.core import parallel_state
 
-    from megatron_tempnet.distributed import apply_cpu_support
+    from megatron_tempnet.compat import apply_cpu_support
     from megatron_tempnet.distributed.launch import launch_environment
 
     apply_cpu_support()
@@ -88,16 +91,16 @@ def load_inference_model(
     """
     from megatron.core import parallel_state
 
-    from megatron_tempnet.models.gpt_layers import build_gpt_model
+    from megatron_tempnet.models.gpt.layers import build_gpt_model
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
     rank = parallel_state.get_tensor_model_parallel_rank()
     reader = CheckpointReader(load_dir)
     lm_reader = reader
     if not reader.has_lm():
-        source = pretrained_checkpoint or reader.config.get("checkpoint", {}).get(
-            "pretrained_checkpoint"
-        )
+        saved = reader.config.get("checkpoint", {})
+        source = pretrained_checkpoint or saved.get("pretrained_checkpoint")
         if not source:
             raise CheckpointError(
                 f"--load {load_dir}: holds TempNet without the LM: add --pretrained-checkpoint"
@@ -113,28 +116,47 @@ def load_inference_model(
     }
     missing, unexpected = lm.load_state_dict(state, strict=False)
     if [k for k in missing if not k.endswith("_extra_state")] or unexpected:
-        raise CheckpointError(f"--load {load_dir}: does not match the model it describes "
-                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")  # fmt: skip
+        raise CheckpointError(
+            f"--load {load_dir}: does not match the model it describes (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]})"
+        )
     if torch.cuda.is_available():
         lm.cuda()
-    tempnet = _tempnet(reader, tempnet_dir, padded, tau_max_eval)
-    return InferenceModel(lm.eval(), tempnet, model, reader.config or lm_reader.config)
+    tempnet = _tempnet(reader, tempnet_dir, padded, tau_max_eval, tp_group)
+    config = reader.config or lm_reader.config
+    return InferenceModel(lm.eval(), tempnet, model, config, tp_group)
 
 
-def _tempnet(reader: CheckpointReader, tempnet_dir: str | None, padded: int,
-             tau_max_eval: float | None) -> TempNetLM | None:  # fmt: skip
+def tempnet_settings(config: dict) -> dict:
+    """The TempNet section of a saved run config (``loss`` in checkpoints of earlier versions)."""
+    return config.get("tempnet") or config.get("loss", {})
+
+
+def _tempnet(
+    reader: CheckpointReader,
+    tempnet_dir: str | None,
+    padded: int,
+    tau_max_eval: float | None,
+    tp_group,
+) -> TempNetLM | None:
     if tempnet_dir:
         from megatron_tempnet.tempnet.export import load_tempnet
 
-        tempnet = load_tempnet(tempnet_dir, padded_vocab_size=padded, tau_max_eval=tau_max_eval)
+        tempnet = load_tempnet(
+            tempnet_dir, padded_vocab_size=padded, tp_group=tp_group, tau_max_eval=tau_max_eval
+        )
     elif reader.has_tempnet():
         state = reader.tempnet_state()
-        loss = reader.config.get("loss", {})
+        settings = tempnet_settings(reader.config)
         tempnet = TempNetLM(
-            reader.model.vocab_size, hidden_size=state["weight1"].shape[0],
-            proj_size=state["weight2"].shape[0], tau_min=loss.get("tau_min", 0.001),
-            tau_max=loss.get("tau_max", 2.0), padded_vocab_size=padded,
-        )  # fmt: skip
+            reader.model.vocab_size,
+            hidden_size=state["weight1"].shape[0],
+            proj_size=state["weight2"].shape[0],
+            tau_min=settings.get("tau_min", 0.001),
+            tau_max=settings.get("tau_max", 2.0),
+            padded_vocab_size=padded,
+            tp_group=tp_group,
+        )
         tempnet.load_state_dict({k: v.float() for k, v in state.items()})
         tempnet.tau_max_eval = tau_max_eval
     else:

@@ -66,8 +66,9 @@ class TokenChooser:
             local = self._top_k(local, self.config.top_k)
         if self.config.top_p < 1.0:
             local = self._top_p(local, self.config.top_p)
-        u = torch.rand(local.shape[0], self.vocab_size, generator=self.generator,
-                       dtype=torch.float64)  # fmt: skip
+        u = torch.rand(
+            local.shape[0], self.vocab_size, generator=self.generator, dtype=torch.float64
+        )
         gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
         noise = gumbel[:, self.part.start : self.part.start + self.part.n_true].to(local.device)
         return self._argmax(local.double() + noise)
@@ -85,8 +86,11 @@ class TokenChooser:
         return local.masked_fill(local < kth, float("-inf"))
 
     def _top_p(self, local: torch.Tensor, top_p: float) -> torch.Tensor:
-        top = local.max(dim=-1).values if local.shape[-1] else local.new_full(
-            (local.shape[0],), float("-inf"))  # fmt: skip
+        top = (
+            local.max(dim=-1).values
+            if local.shape[-1]
+            else local.new_full((local.shape[0],), float("-inf"))
+        )
         self.tp.all_reduce(top, _MAX)
         weights = torch.exp(local.double() - top[:, None].double())  # exp(-inf) = 0
         total = weights.sum(-1)

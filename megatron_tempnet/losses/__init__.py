@@ -1,4 +1,5 @@
-"""The KL-DRO loss family (DESIGN.md §2): dense reference, vocabulary-parallel versions, Newton tau.
+"""The KL-DRO loss family (docs/design.md §2): dense reference, vocabulary-parallel versions,
+Newton tau, and the contrastive losses for CLIP.
 
 Math on local tensors lives in :mod:`dro_math`; the collectives in :mod:`vocab_parallel` and
 :mod:`newton`.

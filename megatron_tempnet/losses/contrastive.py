@@ -1,4 +1,4 @@
-"""Contrastive losses for CLIP on local tensors (DESIGN.md §2, the paper's eq. 5, iSogCLR).
+"""Contrastive losses for CLIP on local tensors (docs/design.md §2, the paper's eq. 5, iSogCLR).
 
 One *side* of a bimodal loss: ``n`` anchors (images, or texts) against the ``B`` candidates of the
 global batch of the other modality. ``sim [n, B]`` holds the anchors' cosine similarities,
@@ -93,8 +93,9 @@ def robust_contrastive_side(
         weighted = (w * dd).sum(dim=1)
         tau_grad = torch.log(s_new / (candidates - 1)) + b_new + rho - weighted / tau
     loss = (w.to(d.dtype) * d).sum(dim=1)
-    return RobustSide(loss=loss, tau_grad=tau_grad.to(sim.dtype), s=s_new.to(s.dtype),
-                      b=b_new.to(b.dtype))  # fmt: skip
+    return RobustSide(
+        loss=loss, tau_grad=tau_grad.to(sim.dtype), s=s_new.to(s.dtype), b=b_new.to(b.dtype)
+    )
 
 
 def info_nce(sim: torch.Tensor, positive: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Row-wise math of the KL-DRO loss on local tensors (no communication here).
 
-Notation of DESIGN.md §2 for one token with logits ``L`` over the true vocabulary ``C``, the
+Notation of docs/design.md §2 for one token with logits ``L`` over the true vocabulary ``C``, the
 global row maximum ``M`` and temperature ``tau``:
 
     z_k = (L_k - M) / tau            (<= 0: exp never overflows, whatever tau and |L|)

@@ -44,16 +44,17 @@ def optimal_tau(
     only the logits are needed.
 
     Args:
-        vocab_parallel_logits: ``[s, b, V_pad/tp]`` this rank's vocabulary slice.
+        vocab_parallel_logits: ``[b, s, V_pad/tp]`` (any leading shape) this rank's vocabulary
+            slice.
         rho: ``> 0``, or ``>= 0`` with ``tau_max`` (for rho = 0, f decreases for all tau).
         tau_min: lower bound tau0 > 0.
         vocab_size: true vocabulary size |C| (padded columns are ignored).
-        tp_group: tensor-parallel group (None: megatron-core's if initialised, else none).
+        tp_group: the tensor-parallel group the vocabulary is split over (None: no TP).
         max_iter: iteration cap; tokens not converged by then keep their last iterate (logged).
         tol: stop when ``|df/dtau| <= tol``.
         tau_max: optional upper bound.
     Returns:
-        ``[s, b]`` tau, float64 for float64 logits else float32, no gradient, identical on all TP
+        ``[b, s]`` tau, float64 for float64 logits else float32, no gradient, identical on all TP
         ranks. One SUM all-reduce of ``[T, 3]`` per iteration, one MAX all-reduce in all.
     """
     if not tau_min > 0:

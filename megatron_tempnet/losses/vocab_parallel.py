@@ -1,14 +1,14 @@
 """KL-DRO and temperature-scaled cross-entropy on vocabulary-parallel logits.
 
-Each tensor-parallel rank holds logits ``[s, b, V_pad/tp]`` for its slice of the padded vocabulary
+Each tensor-parallel rank holds logits ``[b, s, V_pad/tp]`` for its slice of the padded vocabulary
 (megatron-core's layout). Per token, the forward pass needs two collectives over the TP group:
 
 1. MAX all-reduce of the row maxima ``[T]``;
 2. one SUM all-reduce of ``[T, 3]``: the partial sums ``S``, ``Q`` and the target logit (present on
    one rank, zero elsewhere).
 
-The backward pass needs none: the gradients are analytic (DESIGN.md §2) and are written into the
-buffer that held ``exp(z)``. No rank ever holds more than its own ``[T, V_pad/tp]`` slice.
+The backward pass needs none: the gradients are analytic (docs/design.md §2) and are written into
+the buffer that held ``exp(z)``. No rank ever holds more than its own ``[T, V_pad/tp]`` slice.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _check_args(logits: torch.Tensor, target: torch.Tensor, vocab_size: int, tp:
     if logits.dim() < 1 or tuple(logits.shape[:-1]) != tuple(target.shape):
         raise ValueError(
             f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree: logits must "
-            f"be target's shape plus a vocabulary dimension ([s, b, V/tp] for target [s, b])"
+            f"be target's shape plus a vocabulary dimension ([b, s, V/tp] for target [b, s])"
         )
     padded = logits.shape[-1] * tp.size
     if not 1 <= vocab_size <= padded:
@@ -150,20 +150,20 @@ def vocab_parallel_dro_loss(
     """Per-token KL-DRO loss f(z, tau) of eq. (2) on vocabulary-parallel logits.
 
     Args:
-        vocab_parallel_logits: ``[s, b, V_pad/tp]`` this rank's slice of the output layer's logits
+        vocab_parallel_logits: ``[b, s, V_pad/tp]`` this rank's slice of the output layer's logits
             (any float dtype; computed in float32, or float64 for float64 input).
-        target: ``[s, b]`` token ids in ``[0, vocab_size)``.
-        tau: ``[s, b]`` temperatures (> 0), anything broadcastable to it, or a float.
+        target: ``[b, s]`` token ids in ``[0, vocab_size)``.
+        tau: ``[b, s]`` temperatures (> 0), anything broadcastable to it, or a float.
             Gradients flow to a tensor tau.
         rho: the KL budget constant of eq. (2), ``>= 0``.
         vocab_size: the true vocabulary size ``|C|``; columns ``>= vocab_size`` (megatron-core's
             padding) are excluded from every sum and get zero gradient.
-        tp_group: the tensor-parallel group; None: megatron-core's, if initialised, else no TP.
+        tp_group: the tensor-parallel group the vocabulary is split over (None: no TP).
         inplace: overwrite float32/float64 logits with ``exp`` and then their gradient, as
             megatron-core's ``vocab_parallel_cross_entropy`` always does. Saves the one
-            ``[s, b, V_pad/tp]`` buffer; only when nothing else reads the logits afterwards.
+            ``[b, s, V_pad/tp]`` buffer; only when nothing else reads the logits afterwards.
     Returns:
-        ``[s, b]`` loss per token, float32 (float64 for float64 logits), identical on all TP ranks.
+        ``[b, s]`` loss per token, float32 (float64 for float64 logits), identical on all TP ranks.
         Apply the loss mask and normalise in the training step.
     """
     if rho < 0:

@@ -1,18 +1,4 @@
-"""Language models built from megatron-core layers."""
+"""Model families, each with its trainer pieces: ``gpt`` (GPT-2, LLaMA) and ``clip``.
 
-from megatron_tempnet.models.gpt import (
-    PRESETS,
-    ModelConfig,
-    ModelConfigError,
-    transformer_config,
-)
-from megatron_tempnet.models.gpt_layers import build_gpt_model, gpt_layer_specs
-
-__all__ = [
-    "PRESETS",
-    "ModelConfig",
-    "ModelConfigError",
-    "build_gpt_model",
-    "gpt_layer_specs",
-    "transformer_config",
-]
+``transformer`` holds what the families share: megatron-core's layers on the local spec.
+"""

@@ -1,4 +1,4 @@
-"""TempNet for CLIP (Section 5, DESIGN.md §2): a temperature per image or per text.
+"""TempNet for CLIP (Section 5, docs/design.md §2): a temperature per image or per text.
 
 Input: the stop-gradient normalised embedding ``e [n, d0]`` of one modality.
 
@@ -51,8 +51,11 @@ class TempNetCLIP(nn.Module):
     ):
         super().__init__()
         check_tau_range(tau_min, tau_max)
-        for name, value in (("embed_dim", embed_dim), ("hidden_size", hidden_size),
-                            ("proj_size", proj_size)):  # fmt: skip
+        for name, value in (
+            ("embed_dim", embed_dim),
+            ("hidden_size", hidden_size),
+            ("proj_size", proj_size),
+        ):
             if value < 1:
                 raise ValueError(f"TempNetCLIP {name} ({value}) must be >= 1")
         self.tau_min, self.tau_max = tau_min, tau_max
@@ -64,9 +67,11 @@ class TempNetCLIP(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        for weight, fan_in in ((self.weight1, self.weight1.shape[1]),
-                               (self.bias1, self.weight1.shape[1]),
-                               (self.prototypes, self.prototypes.shape[0])):  # fmt: skip
+        for weight, fan_in in (
+            (self.weight1, self.weight1.shape[1]),
+            (self.bias1, self.weight1.shape[1]),
+            (self.prototypes, self.prototypes.shape[0]),
+        ):
             bound = 1.0 / math.sqrt(fan_in)
             weight.uniform_(-bound, bound)
 

@@ -1,4 +1,4 @@
-"""TempNet for language models (Section 5, DESIGN.md §2), on vocabulary-parallel logits.
+"""TempNet for language models (Section 5, docs/design.md §2), on vocabulary-parallel logits.
 
     Lbar = L / ||L||_2                  over the true vocabulary, across TP ranks
     v    = sigmoid(W1 Lbar + b1)        W1: d1 x V, split by vocabulary columns over TP ranks
@@ -42,7 +42,7 @@ class TempNetLM(nn.Module):
         tau_min, tau_max: output range ``[tau0, tau_max]`` (paper: 0.001, 2.0).
         dropout: dropout on ``v`` after the transformation (default off). Uses the default RNG,
             which megatron-core keeps identical across TP ranks, so replicas stay equal.
-        tp_group: tensor-parallel group (None: megatron-core's, if initialised, else no TP).
+        tp_group: the tensor-parallel group the vocabulary is split over (None: no TP).
         padded_vocab_size: the output layer's padded vocabulary (a multiple of the TP size);
             default: ``vocab_size`` rounded up to a multiple of the TP size.
         phi_init: initial pooling temperature phi (1.0 for LLMs, Appendix D.1).
@@ -117,7 +117,8 @@ class TempNetLM(nn.Module):
     def forward(
         self, vocab_parallel_logits: torch.Tensor, tau_max: float | None = None
     ) -> torch.Tensor:
-        """``[s, b, V_pad/tp]`` logits -> ``[s, b]`` tau in ``[tau_min, tau_max]``.
+        """``[b, s, V_pad/tp]`` logits (any leading shape) -> ``[b, s]`` tau in
+        ``[tau_min, tau_max]``.
 
         The logits are detached (stop-gradient): tau reaches the LM only through the loss. With
         ``stop_grad=False`` (the paper's ablation) tau's gradient also flows into the logits.

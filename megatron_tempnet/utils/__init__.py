@@ -1,0 +1,1 @@
+"""Logging, command-line programs, flags from config dataclasses, atomic files."""

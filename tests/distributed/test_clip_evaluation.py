@@ -55,7 +55,7 @@ class FakeEngine:
 def _evaluate():
     import torch.distributed as dist
 
-    from megatron_tempnet.inference.clip_evaluation import evaluate_clip
+    from megatron_tempnet.models.clip.evaluation import evaluate_clip
 
     def encode_texts(texts):
         ids = torch.tensor([NAMES.index(t.split()[-1]) for t in texts])[:, None].expand(-1, 3)
@@ -67,7 +67,7 @@ def _evaluate():
 
 
 def _reference() -> dict:
-    from megatron_tempnet.inference.clip_metrics import retrieval_recalls
+    from megatron_tempnet.models.clip.metrics import retrieval_recalls
 
     valid, ood, engine = PairSet(23, 0), PairSet(11, 1, shift=1.0), FakeEngine()
     enc = engine(valid.images, torch.tensor([[i % 3] * 3 for i in range(23)]), None)

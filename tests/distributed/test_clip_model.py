@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_tempnet.models.clip import CLIPModelConfig
+from megatron_tempnet.models.clip.config import CLIPModelConfig
 from megatron_tempnet.models.gpt import ModelConfigError
 from tests.helpers.distributed import run_distributed
 
@@ -33,8 +33,8 @@ def _inputs(cfg: CLIPModelConfig):
 def _forward_backward(cfg: CLIPModelConfig):
     from megatron.core import parallel_state
 
-    from megatron_tempnet.distributed import apply_cpu_support
-    from megatron_tempnet.models.clip import CLIPModel
+    from megatron_tempnet.compat import apply_cpu_support
+    from megatron_tempnet.models.clip.towers import CLIPModel
 
     apply_cpu_support()
     tp = dist.get_world_size()

@@ -5,14 +5,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_tempnet.distributed import cpu_support
+from megatron_tempnet import compat
 from tests.helpers.distributed import run_distributed
 
 VOCAB, SEQ, BATCH = 128, 16, 2
 
 
 def _gpt_forward_backward():
-    assert cpu_support.apply_cpu_support() is True
+    assert compat.apply_cpu_support() is True
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -81,7 +81,7 @@ def test_gpt_model_tp2_equals_tp1_forward_and_backward():
 
 
 def test_upstream_symbols_are_checked():
-    cpu_support.check_upstream()  # the pinned megatron-core has everything
+    compat.check_upstream()  # the pinned megatron-core has everything
 
 
 @pytest.mark.parametrize("symbol", ["_get_cuda_rng_state", "CudaRNGStatesTracker"])
@@ -89,29 +89,29 @@ def test_a_missing_upstream_symbol_fails_loudly(monkeypatch, symbol):
     from megatron.core.tensor_parallel import random as mc_random
 
     monkeypatch.delattr(mc_random, symbol)
-    with pytest.raises(cpu_support.CPUSupportError, match=f"{symbol} no longer exists"):
-        cpu_support.check_upstream()
+    with pytest.raises(compat.UpstreamError, match=f"{symbol} no longer exists"):
+        compat.check_upstream()
 
 
 def test_a_changed_signature_fails_loudly(monkeypatch):
     from megatron.core.tensor_parallel import random as mc_random
 
     monkeypatch.setattr(mc_random, "_set_cuda_rng_state", lambda state: None)
-    with pytest.raises(cpu_support.CPUSupportError, match="lost parameter"):
-        cpu_support.check_upstream()
+    with pytest.raises(compat.UpstreamError, match="lost parameter"):
+        compat.check_upstream()
 
 
 def test_an_unpinned_version_fails_loudly(monkeypatch):
     from megatron.core import package_info
 
     monkeypatch.setattr(package_info, "__version__", "0.17.0")
-    with pytest.raises(cpu_support.CPUSupportError, match="0.17.0 is installed"):
-        cpu_support.check_upstream()
+    with pytest.raises(compat.UpstreamError, match="0.17.0 is installed"):
+        compat.check_upstream()
 
 
 def test_a_missing_causal_mask_helper_fails_loudly(monkeypatch):
     from megatron.core.fusions import fused_softmax
 
     monkeypatch.delattr(fused_softmax, "get_default_causal_mask")
-    with pytest.raises(cpu_support.CPUSupportError, match="get_default_causal_mask no longer"):
-        cpu_support.check_upstream()
+    with pytest.raises(compat.UpstreamError, match="get_default_causal_mask no longer"):
+        compat.check_upstream()

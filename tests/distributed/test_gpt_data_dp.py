@@ -7,12 +7,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_tempnet.data.gpt_data import (
-    DataState,
-    ResumableLoader,
-    build_gpt_datasets,
-    dataset_fingerprint,
-)
+from megatron_tempnet.data.gpt_data import build_gpt_datasets
+from megatron_tempnet.data.loader import DataState, ResumableLoader, dataset_fingerprint
 from tests.helpers.corpus import blend_config, blend_corpus
 from tests.helpers.distributed import run_distributed
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_tempnet.models.gpt import ModelConfig
-from megatron_tempnet.training.memory_estimate import (
+from megatron_tempnet.models.gpt.memory import (
     Layout,
     estimate,
     largest,
@@ -55,11 +55,10 @@ def _measure(tp: int, seq: int, mbs: int, vocab: int, recompute: bool, llama: bo
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from megatron_tempnet.distributed import apply_cpu_support
-    from megatron_tempnet.models import build_gpt_model
-    from megatron_tempnet.tempnet import TempNetLM
-    from megatron_tempnet.training.engine import TrainModule
-    from megatron_tempnet.training.loss import LossConfig
+    from megatron_tempnet.compat import apply_cpu_support
+    from megatron_tempnet.models.gpt import build_gpt_model
+    from megatron_tempnet.models.gpt.objective import LossConfig, TrainModule
+    from megatron_tempnet.tempnet import TempNetConfig, TempNetLM
 
     apply_cpu_support()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -67,8 +66,10 @@ def _measure(tp: int, seq: int, mbs: int, vocab: int, recompute: bool, llama: bo
     model_parallel_cuda_manual_seed(0)
     cfg = _config(seq, vocab, llama)
     lm = build_gpt_model(cfg, tensor_parallel_size=tp, recompute_activations=recompute)
-    tempnet = TempNetLM(vocab, padded_vocab_size=cfg.padded_vocab_size(tp))
-    module = TrainModule(lm, tempnet, LossConfig(rho=10.0), vocab, freeze_lm=False)
+    group = parallel_state.get_tensor_model_parallel_group()
+    tempnet = TempNetLM(vocab, padded_vocab_size=cfg.padded_vocab_size(tp), tp_group=group)
+    objective = LossConfig(), TempNetConfig(rho=10.0)
+    module = TrainModule(lm, tempnet, *objective, vocab, tp_group=group)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocab, (mbs, seq + 1), generator=g)

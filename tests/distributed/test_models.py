@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_tempnet.models import PRESETS, ModelConfig, ModelConfigError
+from megatron_tempnet.models.gpt import PRESETS, ModelConfig, ModelConfigError
 from tests.helpers.distributed import run_distributed
 
 SEQ, BATCH = 16, 2
@@ -26,8 +26,8 @@ def _forward_backward(model_cfg: ModelConfig):
         gather_from_tensor_model_parallel_region,
     )
 
-    from megatron_tempnet.distributed import apply_cpu_support
-    from megatron_tempnet.models import build_gpt_model
+    from megatron_tempnet.compat import apply_cpu_support
+    from megatron_tempnet.models.gpt import build_gpt_model
 
     apply_cpu_support()
     tp = dist.get_world_size()
@@ -61,8 +61,8 @@ def _against_megatron_gpt_model(model_cfg: ModelConfig):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_tempnet.distributed import apply_cpu_support
-    from megatron_tempnet.models import build_gpt_model, transformer_config
+    from megatron_tempnet.compat import apply_cpu_support
+    from megatron_tempnet.models.gpt import build_gpt_model, transformer_config
 
     apply_cpu_support()
     parallel_state.initialize_model_parallel()

@@ -7,7 +7,7 @@ import time
 
 import torch.distributed as dist
 
-from megatron_tempnet.training.preemption import StopRequests
+from megatron_tempnet.trainer.preemption import StopRequests
 from tests.helpers.distributed import run_distributed
 
 

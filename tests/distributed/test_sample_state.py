@@ -18,7 +18,7 @@ def _batches(world: int):
 
 
 def _run(world: int):
-    from megatron_tempnet.training.sample_state import ShardedSampleState
+    from megatron_tempnet.models.clip.sample_state import ShardedSampleState
 
     rank = torch.distributed.get_rank()
     state = ShardedSampleState(N, FIELDS)
@@ -63,7 +63,7 @@ def test_sharded_state_equals_one_dense_tensor(world):
 
 
 def _errors():
-    from megatron_tempnet.training.sample_state import SampleStateError, ShardedSampleState
+    from megatron_tempnet.models.clip.sample_state import SampleStateError, ShardedSampleState
 
     state = ShardedSampleState(N, FIELDS)
     messages = []
@@ -88,7 +88,7 @@ def test_errors_name_the_problem():
 
 
 def test_memory_per_rank_at_400m_samples():
-    from megatron_tempnet.training.sample_state import ShardedSampleState
+    from megatron_tempnet.models.clip.sample_state import ShardedSampleState
 
     per_rank = ShardedSampleState.bytes_per_rank(400_000_000, 6, 64)
     assert per_rank == 6_250_000 * 25 and per_rank / 2**20 == pytest.approx(149.0, abs=0.1)

@@ -49,13 +49,13 @@ def _lm_then_tempnets(rhos: tuple[float, ...]):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_tempnet.distributed import apply_cpu_support
+    from megatron_tempnet.compat import apply_cpu_support
     from megatron_tempnet.losses import (
         optimal_tau,
         temperature_scaled_cross_entropy,
         vocab_parallel_dro_loss,
     )
-    from megatron_tempnet.models import ModelConfig, build_gpt_model
+    from megatron_tempnet.models.gpt import ModelConfig, build_gpt_model
     from megatron_tempnet.tempnet import TempNetLM
 
     apply_cpu_support()

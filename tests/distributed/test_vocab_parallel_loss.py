@@ -120,7 +120,7 @@ def _tau_one_against_megatron():
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from megatron_tempnet.distributed import apply_cpu_support
+    from megatron_tempnet.compat import apply_cpu_support
 
     apply_cpu_support()
     tp = dist.get_world_size()
@@ -130,7 +130,10 @@ def _tau_one_against_megatron():
     target = torch.randint(0, PADDED, (8, 2), generator=gen)
     local = _shard(logits, dist.get_rank(), tp)
     ce = vocab_parallel_cross_entropy(local.clone(), target)
-    ours = vocab_parallel_dro_loss(local.clone(), target, 1.0, rho=RHO, vocab_size=PADDED)
+    group = parallel_state.get_tensor_model_parallel_group()
+    ours = vocab_parallel_dro_loss(
+        local.clone(), target, 1.0, rho=RHO, vocab_size=PADDED, tp_group=group
+    )
     return ce, ours
 
 

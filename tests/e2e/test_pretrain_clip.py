@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from megatron_tempnet.data.digits import write_digits_dataset
+from megatron_tempnet.models.clip.data.digits import write_digits_dataset
 from tests.helpers.entry_points import cli_flags, run_entry_point
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

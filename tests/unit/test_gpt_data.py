@@ -11,16 +11,18 @@ import pytest
 import torch
 
 from megatron_tempnet.data.gpt_data import (
-    DataConfigError,
-    DataState,
     GPTDataConfig,
-    PretrainingSampler,
-    ResumableLoader,
     build_gpt_datasets,
-    dataset_fingerprint,
     num_samples,
     parse_blend,
     parse_split,
+)
+from megatron_tempnet.data.loader import (
+    DataConfigError,
+    DataState,
+    PretrainingSampler,
+    ResumableLoader,
+    dataset_fingerprint,
 )
 from megatron_tempnet.data.indexed import DatasetError
 from tests.helpers.corpus import blend_config, blend_corpus

@@ -18,15 +18,15 @@ import pytest
 import torch
 from PIL import Image
 
-from megatron_tempnet.data.captions import noisy_caption, tokenize_captions
-from megatron_tempnet.data.digits import DIGIT_NAMES, SUBSETS, write_digits_dataset
-from megatron_tempnet.data.image_text import (
+from megatron_tempnet.models.clip.data.captions import noisy_caption, tokenize_captions
+from megatron_tempnet.models.clip.data.digits import DIGIT_NAMES, SUBSETS, write_digits_dataset
+from megatron_tempnet.models.clip.data.image_text import (
     ImageTextDataConfig,
     ImageTextDataError,
     ImageTextDataset,
 )
-from megatron_tempnet.data.image_text_sampling import EpochShuffledDataset
-from megatron_tempnet.data.image_transforms import augment_generator, random_crop_box
+from megatron_tempnet.models.clip.data.sampling import EpochShuffledDataset
+from megatron_tempnet.models.clip.data.transforms import augment_generator, random_crop_box
 
 EOD = 1
 

@@ -19,12 +19,11 @@ import sys
 
 import torch
 
-from megatron_tempnet.data.cli import run_tool
 from megatron_tempnet.inference.checkpoint_io import write_checkpoint
 from megatron_tempnet.inference.hf_weights import HFWeights, from_hf, model_config_from_hf
-from megatron_tempnet.models.gpt import ModelConfigError
-from megatron_tempnet.training.arguments import model_flags
-from megatron_tempnet.training.checkpoint import CheckpointError, latest_tag
+from megatron_tempnet.models.gpt.config import model_flags
+from megatron_tempnet.trainer.checkpoint_format import CheckpointError, latest_tag
+from megatron_tempnet.utils.cli import run_tool
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -35,8 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-dir", required=True, help="a local transformers model directory")
     p.add_argument("--save", required=True, help="output checkpoint directory")
     p.add_argument("--target-tp", "--target-tensor-parallel-size", dest="tp", type=int, default=1)
-    p.add_argument("--target-pp", "--target-pipeline-parallel-size", dest="pp", type=int,
-                   default=1)  # fmt: skip
+    p.add_argument("--target-pp", "--target-pipeline-parallel-size", dest="pp", type=int, default=1)
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), help="cast the weights (default: keep)")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint in --save")
@@ -60,26 +58,34 @@ def main(argv: list[str] | None = None) -> int:
     cast = DTYPES.get(args.dtype)
     config = {"tokenizer": _tokenizer(args.hf_dir), "converted_from": os.path.abspath(args.hf_dir)}
     path = write_checkpoint(
-        args.save, model, (lambda n: read(n).to(cast)) if cast else read,
-        tensor_parallel=args.tp, pipeline_parallel=args.pp, config=config,
+        args.save,
+        model,
+        (lambda n: read(n).to(cast)) if cast else read,
+        tensor_parallel=args.tp,
+        pipeline_parallel=args.pp,
+        config=config,
         note=f"Weights only, converted from {os.path.abspath(args.hf_dir)}.\n",
-    )  # fmt: skip
+    )
     flags = " ".join(model_flags(model))
     with open(os.path.join(args.save, "model_flags.txt"), "w") as f:
         f.write(flags + "\n")
-    print(f"wrote {path} (TP {args.tp} x PP {args.pp}); train it with\n  pretrain_gpt.py {flags} "
-          f"--tensor-model-parallel-size {args.tp} --pipeline-model-parallel-size {args.pp} "
-          f"--pretrained-checkpoint {args.save} ...")  # fmt: skip
+    print(
+        f"wrote {path} (TP {args.tp} x PP {args.pp}); train it with\n  pretrain_gpt.py {flags} "
+        f"--tensor-model-parallel-size {args.tp} --pipeline-model-parallel-size {args.pp} "
+        f"--pretrained-checkpoint {args.save} ..."
+    )
     return 0
 
 
 def _tokenizer(hf_dir: str) -> dict | None:
     """The HF directory's own tokenizer, as --tokenizer-type HuggingFaceTokenizer."""
     if any(os.path.isfile(os.path.join(hf_dir, f)) for f in _TOKENIZER_FILES):
-        return {"tokenizer_type": "HuggingFaceTokenizer",
-                "tokenizer_model": os.path.abspath(hf_dir)}  # fmt: skip
+        return {
+            "tokenizer_type": "HuggingFaceTokenizer",
+            "tokenizer_model": os.path.abspath(hf_dir),
+        }
     return None
 
 
 if __name__ == "__main__":
-    sys.exit(run_tool(main, (CheckpointError, ModelConfigError)))
+    sys.exit(run_tool(main))

@@ -20,14 +20,19 @@ import sys
 
 import torch
 
-from megatron_tempnet.data.cli import run_tool
 from megatron_tempnet.inference.checkpoint_io import CheckpointReader
 from megatron_tempnet.inference.hf_weights import hf_config, to_hf
-from megatron_tempnet.training.checkpoint import CheckpointError
+from megatron_tempnet.trainer.checkpoint_format import CheckpointError
+from megatron_tempnet.utils.cli import run_tool
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-                    "special_tokens_map.json", "generation_config.json")  # fmt: skip
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES.get(args.dtype, first.dtype)
     config = hf_config(model, dtype)  # raises for models with no HF equivalent
     os.makedirs(args.save, exist_ok=True)
-    shards = _write_shards(to_hf(model, reader.full, names), args.save, dtype,
-                           int(args.max_shard_size_gb * 2**30))  # fmt: skip
+    shards = _write_shards(
+        to_hf(model, reader.full, names), args.save, dtype, int(args.max_shard_size_gb * 2**30)
+    )
     with open(os.path.join(args.save, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     if args.tokenizer_dir:
@@ -107,4 +113,4 @@ def _flush(group: dict, directory: str, i: int, save_file) -> tuple[str, list[st
 
 
 if __name__ == "__main__":
-    sys.exit(run_tool(main, (CheckpointError,)))
+    sys.exit(run_tool(main))

@@ -1,0 +1,215 @@
+"""CLIP's configs: the two towers' shapes and ``--model`` presets, the loss, TempNet for CLIP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_tempnet.models.transformer import (
+    ModelConfigError,
+    TransformerShape,
+    padded_vocab_size,
+)
+from megatron_tempnet.tempnet.config import TempNetConfig
+from megatron_tempnet.utils.cli import UserError
+from megatron_tempnet.utils.flags import derived, option
+
+CLIP_PRESETS: dict[str, dict] = {
+    # the CPU demo: 16 x 16 grayscale digits, 4 x 4 patches
+    "clip-tiny": dict(
+        embed_dim=64,
+        image_size=16,
+        patch_size=4,
+        image_channels=1,
+        vision_layers=2,
+        vision_hidden_size=64,
+        vision_heads=4,
+        text_layers=2,
+        text_hidden_size=64,
+        text_heads=4,
+        context_length=16,
+    ),
+    # OpenAI CLIP ViT-B/16's shape
+    "vit-b-16": dict(
+        embed_dim=512,
+        image_size=224,
+        patch_size=16,
+        image_channels=3,
+        vision_layers=12,
+        vision_hidden_size=768,
+        vision_heads=12,
+        text_layers=12,
+        text_hidden_size=512,
+        text_heads=8,
+        context_length=77,
+    ),
+}
+"""``--model``: both towers' shapes by name; every other model flag overrides its preset's."""
+
+
+@dataclass
+class CLIPModelConfig:
+    """Both towers' shapes (Megatron-LM's and OpenCLIP's names)."""
+
+    embed_dim: int = 64
+    """Size of the shared, L2-normalised embedding."""
+    image_size: int = 16
+    """Square input images of this many pixels per side."""
+    patch_size: int = 4
+    """ViT patches of this many pixels per side (divides --image-size)."""
+    image_channels: int = 3
+    """3 (RGB) or 1 (grayscale)."""
+    vision_layers: int = 2
+    """The ViT's transformer layers."""
+    vision_hidden_size: int = 64
+    """The ViT's width."""
+    vision_heads: int = 4
+    """The ViT's attention heads."""
+    text_layers: int = 2
+    """The text transformer's layers."""
+    text_hidden_size: int = 64
+    """The text transformer's width."""
+    text_heads: int = 4
+    """The text transformer's attention heads."""
+    context_length: int = 16
+    """Caption tokens per sample, the end-of-text token included."""
+    vocab_size: int | None = derived()
+    """The true vocabulary size (from the tokenizer)."""
+    init_method_std: float = 0.02
+    """Standard deviation of the initial weights."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the text vocabulary to a multiple of this x the tensor-parallel size."""
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> CLIPModelConfig:
+        """A preset (``--model``) with the given values (None: the preset's) taking precedence."""
+        if name not in CLIP_PRESETS:
+            raise ModelConfigError(f"--model {name!r} is not one of {', '.join(CLIP_PRESETS)}")
+        fields = dict(CLIP_PRESETS[name])
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**fields)
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    def vision_tower(self) -> TransformerShape:
+        return TransformerShape(
+            num_layers=self.vision_layers,
+            hidden_size=self.vision_hidden_size,
+            num_attention_heads=self.vision_heads,
+            init_method_std=self.init_method_std,
+        )
+
+    def text_tower(self) -> TransformerShape:
+        return TransformerShape(
+            num_layers=self.text_layers,
+            hidden_size=self.text_hidden_size,
+            num_attention_heads=self.text_heads,
+            init_method_std=self.init_method_std,
+        )
+
+    def padded_vocab_size(self, tensor_parallel_size: int) -> int:
+        return padded_vocab_size(
+            self.vocab_size, self.make_vocab_size_divisible_by, tensor_parallel_size
+        )
+
+    def validate(self, tensor_parallel_size: int = 1) -> None:
+        if self.image_size % self.patch_size:
+            raise ModelConfigError(
+                f"--image-size ({self.image_size}) must be divisible by --patch-size "
+                f"({self.patch_size})"
+            )
+        if self.image_channels not in (1, 3):
+            raise ModelConfigError(f"--image-channels ({self.image_channels}) must be 1 or 3")
+        if self.context_length < 2:
+            raise ModelConfigError(f"--context-length ({self.context_length}) must be >= 2")
+        sizes = {
+            "--embed-dim": self.embed_dim,
+            "--vision-layers": self.vision_layers,
+            "--text-layers": self.text_layers,
+        }
+        for flag, value in sizes.items():
+            if value < 1:
+                raise ModelConfigError(f"{flag} ({value}) must be >= 1")
+        for tower, prefix in ((self.vision_tower(), "--vision"), (self.text_tower(), "--text")):
+            try:
+                tower.validate(tensor_parallel_size)
+            except ModelConfigError as e:  # name the tower's own flags
+                message = str(e).replace("--hidden-size", f"{prefix}-hidden-size")
+                raise ModelConfigError(
+                    message.replace("--num-attention-heads", f"{prefix}-heads")
+                ) from None
+
+
+CLIP_LOSSES = ("clip", "sogclr", "isogclr", "tempnet", "tau")
+ROBUST = ("sogclr", "isogclr", "tempnet")
+
+
+class CLIPLossConfigError(UserError, ValueError):
+    """Loss flags that do not fit together; names them."""
+
+
+@dataclass
+class CLIPLossConfig:
+    clip_loss: str = option("tempnet", choices=CLIP_LOSSES)
+    """clip: InfoNCE with one learnable tau; sogclr: the global contrastive loss with a fixed tau;
+    isogclr: a learned tau per sample; tempnet: TempNet's tau per image and per text; tau: TaU
+    (tau from a head on the embedding)."""
+    tau_init: float = 0.01
+    """clip's initial tau, sogclr's fixed tau, isogclr's initial per-sample tau, TaU's smallest
+    tau (at sigmoid = 1)."""
+    gamma: float = option(0.8, name="--sogclr-gamma")
+    """Moving-average weight of the per-sample estimator s, in (0, 1]."""
+    isogclr_tau_lr: float = 0.01
+    """Step of isogclr's projected gradient update of each sample's tau."""
+
+    @property
+    def uses_tempnet(self) -> bool:
+        return self.clip_loss == "tempnet"
+
+    @property
+    def state_fields(self) -> tuple[str, ...]:
+        """The per-sample state this loss keeps (empty: none)."""
+        if self.clip_loss not in ROBUST:
+            return ()
+        fields = ("s_image", "b_image", "s_text", "b_text")
+        return fields + (("tau_image", "tau_text") if self.clip_loss == "isogclr" else ())
+
+
+@dataclass
+class CLIPTempNetConfig(TempNetConfig):
+    """TempNet for CLIP, and the temperature range and rho of isogclr (the paper's Table 6)."""
+
+    proj_size: int = option(256, name="--tempnet-proj-size")
+    """d2: the prototypes, initialised from as many training pairs of the other modality."""
+    tau_min: float = option(0.001, name="--tempnet-tau-min")
+    """tau0: the lower bound of TempNet's and isogclr's taus."""
+    tau_max: float = option(0.05, name="--tempnet-tau-max")
+    """The upper bound of TempNet's and isogclr's taus."""
+    rho: float = option(8.0, name="--tempnet-rho")
+    """The KL-DRO radius (the paper's range for CLIP: 7-10); rho >= log(global batch - 1) drives
+    every tau to --tempnet-tau-min."""
+
+
+CLIP_TEMPNET_FLAGS_EXCLUDED = ("hidden_size", "stop_grad")
+"""CLIP's TempNet is as wide as the embedding and always reads it detached."""
+
+
+def validate_clip_objective(loss: CLIPLossConfig, tempnet: CLIPTempNetConfig) -> None:
+    """Raise ``CLIPLossConfigError`` naming the flags when the loss cannot train."""
+    if loss.clip_loss not in CLIP_LOSSES:
+        raise CLIPLossConfigError(
+            f"--clip-loss {loss.clip_loss!r} is not one of {', '.join(CLIP_LOSSES)}"
+        )
+    problem = tempnet.range_problem()
+    if problem:
+        raise CLIPLossConfigError(problem)
+    if loss.tau_init <= 0:
+        raise CLIPLossConfigError(f"--tau-init ({loss.tau_init}) must be > 0")
+    if loss.clip_loss == "isogclr" and not tempnet.tau_min <= loss.tau_init <= tempnet.tau_max:
+        raise CLIPLossConfigError(
+            f"--tau-init ({loss.tau_init}) must lie in [--tempnet-tau-min, --tempnet-tau-max] = "
+            f"[{tempnet.tau_min}, {tempnet.tau_max}] for --clip-loss isogclr"
+        )
+    if not 0 < loss.gamma <= 1:
+        raise CLIPLossConfigError(f"--sogclr-gamma ({loss.gamma}) must be in (0, 1]")

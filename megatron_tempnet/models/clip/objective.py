@@ -1,0 +1,157 @@
+"""CLIP's training objective for the engine: the towers, the temperature, the five losses.
+
+``--clip-loss`` (both sides, images and texts, as anchors; the temperatures are
+``temperature.CLIPTemperature``'s):
+
+- ``clip``: InfoNCE with one learnable global tau, trained with the model;
+- ``sogclr``: the global contrastive loss with a fixed tau (``--tau-init``) and the
+  moving-average estimator ``s``;
+- ``isogclr``: the robust global contrastive loss with one tau per sample, kept in the
+  per-sample state and updated by projected gradient descent with the estimated
+  tau-gradient: ``tau_i <- clip(tau_i - --isogclr-tau-lr * grad_i, tau_min, tau_max)``;
+- ``tempnet``: the same robust loss with tau predicted by an image TempNet and a text TempNet,
+  learned through ``tau_grad * tau`` (their own learning rate);
+- ``tau``: TaU, InfoNCE with tau from a head on the non-detached embedding.
+
+Data parallel: each rank's anchors are scored against the global batch's candidates, gathered
+with their gradient; a rank builds only its own ``[b, B]`` rows (``losses.contrastive_parallel``).
+The per-anchor values are returned; the step divides their sum by the global number of anchors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megatron_tempnet.losses.contrastive import info_nce, robust_contrastive_side, tempnet_loss
+from megatron_tempnet.losses.contrastive_parallel import gather_with_grad, positive_columns
+from megatron_tempnet.models.clip.config import ROBUST, CLIPLossConfig, CLIPTempNetConfig
+from megatron_tempnet.models.clip.temperature import SIDES, CLIPTemperature
+
+
+@dataclass
+class CLIPOutput:
+    """Per-anchor values of one micro-batch on this rank (images first, then texts)."""
+
+    loss: torch.Tensor
+    """``[2b]`` model loss (+ TempNet's objective) per anchor, with gradient."""
+    tau: torch.Tensor
+    """``[2b]`` the temperature each anchor used (detached)."""
+    state: torch.Tensor | None
+    """``[b, k]`` the anchors' new per-sample state (``CLIPLossConfig.state_fields``)."""
+    uncertainty: torch.Tensor | None = None
+    """``[2b]`` TaU's uncertainty score ``-a`` (``--clip-loss tau``)."""
+
+
+class CLIPTrainModule(nn.Module):
+    """The towers and the temperature, as one module for the DeepSpeed engine.
+
+    ``forward(images, tokens, lengths, state [b, k], seen [b])`` -> ``CLIPOutput``.
+    ``dp_group``: the data-parallel group the candidates are gathered over.
+    """
+
+    def __init__(
+        self, clip: nn.Module, loss: CLIPLossConfig, tempnet: CLIPTempNetConfig, *, dp_group=None
+    ):
+        super().__init__()
+        self.clip, self.loss_config, self.tempnet_config = clip, loss, tempnet
+        self.dp_group = dp_group
+        self.temperature = CLIPTemperature(loss, tempnet, clip.config.embed_dim)
+
+    @torch.no_grad()
+    def init_prototypes(self, images, tokens, lengths) -> None:
+        """TempNet's prototypes from ``d2`` examples of the other modality."""
+        if self.temperature.tempnets is None:
+            return
+        text = self.clip.encode_text(tokens, lengths)
+        self.temperature.init_prototypes(self.clip.encode_image(images), text)
+
+    def forward(self, images, tokens, lengths, state=None, seen=None, encode: bool = False):
+        """The training objective (``CLIPOutput``), or with ``encode`` the evaluation outputs
+        (``encode``'s dict); either way through the engine, so ZeRO sees every pass."""
+        if encode:
+            return self.encode(images, tokens, lengths)
+        image_f, text_f = self.clip(images, tokens, lengths)
+        image = nn.functional.normalize(image_f.float(), dim=-1)  # [b, d]
+        text = nn.functional.normalize(text_f.float(), dim=-1)
+        image_all = gather_with_grad(image, self.dp_group)  # [B, d]
+        text_all = gather_with_grad(text, self.dp_group)
+        positive = positive_columns(image.shape[0], self.dp_group, device=image.device)
+        sims = {"image": image @ text_all.t(), "text": text @ image_all.t()}  # [b, B] each
+        embeddings = {"image": image, "text": text}
+        if self.loss_config.clip_loss in ROBUST:
+            return self._robust(sims, embeddings, positive, state, seen)
+        return self._info_nce(sims, embeddings, positive)
+
+    @torch.no_grad()
+    def encode(self, images=None, tokens=None, lengths=None) -> dict:
+        """Normalised embeddings ``[n, d]`` of the given images and/or texts, with the
+        temperature each would get (``{side}_tau [n]``, where the loss predicts one from the
+        input: clip, tau, tempnet) and TaU's uncertainty score (``{side}_score``)."""
+        out = {}
+        learned = self.loss_config.clip_loss in ("clip", "tau", "tempnet")
+        for side, args in {"image": (images,), "text": (tokens, lengths)}.items():
+            if args[0] is None:
+                continue
+            features = (
+                self.clip.image_features(*args)
+                if side == "image"
+                else self.clip.text_features(*args)
+            )
+            e = nn.functional.normalize(features.float(), dim=-1)
+            out[side] = e
+            if learned:
+                out[f"{side}_tau"], score = self.temperature(side, e)
+                if score is not None:
+                    out[f"{side}_score"] = score
+        return out
+
+    def _info_nce(self, sims, embeddings, positive) -> CLIPOutput:
+        losses, taus, scores = [], [], []
+        for side in SIDES:
+            tau, score = self.temperature(side, embeddings[side])
+            if score is not None:
+                scores.append(score.detach())
+            losses.append(info_nce(sims[side], positive, tau))
+            taus.append(tau.detach())
+        uncertainty = torch.cat(scores) if scores else None
+        return CLIPOutput(torch.cat(losses), torch.cat(taus), None, uncertainty)
+
+    def _tau(self, side: str, embedding, state, seen, column) -> torch.Tensor:
+        """The robust losses' tau ``[b]`` for one side."""
+        cfg = self.loss_config
+        if cfg.clip_loss == "tempnet":
+            return self.temperature(side, embedding)[0]
+        if cfg.clip_loss == "isogclr":  # the sample's own tau (tau_init on a first visit)
+            return state[:, column[f"tau_{side}"]].where(seen, torch.tensor(cfg.tau_init))
+        return torch.full_like(embedding[:, 0], cfg.tau_init)
+
+    def _robust(self, sims, embeddings, positive, state, seen) -> CLIPOutput:
+        cfg, t = self.loss_config, self.tempnet_config
+        column = {name: i for i, name in enumerate(cfg.state_fields)}
+        losses, taus, new = [], [], {}
+        for side in SIDES:
+            tau = self._tau(side, embeddings[side], state, seen, column)
+            out = robust_contrastive_side(
+                sims[side],
+                positive,
+                tau,
+                state[:, column[f"s_{side}"]],
+                state[:, column[f"b_{side}"]],
+                seen,
+                gamma=cfg.gamma,
+                rho=t.rho,
+            )
+            loss = out.loss
+            if cfg.clip_loss == "tempnet":
+                loss = loss + tempnet_loss(tau, out.tau_grad)
+            losses.append(loss)
+            taus.append(tau.detach())
+            new[f"s_{side}"], new[f"b_{side}"] = out.s, out.b
+            if cfg.clip_loss == "isogclr":  # projected gradient step on the sample's tau
+                step = tau - cfg.isogclr_tau_lr * out.tau_grad
+                new[f"tau_{side}"] = step.clamp(t.tau_min, t.tau_max)
+        state_rows = torch.stack([new[f].detach().float() for f in cfg.state_fields], dim=1)
+        return CLIPOutput(torch.cat(losses), torch.cat(taus), state_rows)

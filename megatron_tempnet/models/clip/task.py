@@ -1,0 +1,274 @@
+"""CLIP pretraining as a trainer task: image-text data, the towers, the contrastive losses.
+
+The trainer (``trainer.loop``) is GPT's: engine, checkpoints, resume, logging, preemption. This
+task brings the data (``ImageTextDataset`` in shuffled epochs), ``CLIPTrainModule``, the step
+with the sharded per-sample state (saved with each rank's checkpoint files) and the zero-shot
+evaluation. The contrastive candidates are the global batch, so there is no gradient
+accumulation and no pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from megatron_tempnet.data.tokenizers import TokenizerConfig
+from megatron_tempnet.models.clip.config import (
+    CLIPLossConfig,
+    CLIPModelConfig,
+    CLIPTempNetConfig,
+    validate_clip_objective,
+)
+from megatron_tempnet.models.clip.data.captions import tokenize_captions
+from megatron_tempnet.models.clip.data.image_text import ImageTextDataConfig, ImageTextDataset
+from megatron_tempnet.models.clip.data.sampling import EpochShuffledDataset
+from megatron_tempnet.models.clip.evaluation import evaluate_clip
+from megatron_tempnet.models.clip.objective import CLIPTrainModule
+from megatron_tempnet.models.clip.sample_state import SampleStateError, ShardedSampleState
+from megatron_tempnet.models.clip.step import train_step
+from megatron_tempnet.models.clip.towers import CLIPModel
+from megatron_tempnet.models.transformer import seed_rngs
+from megatron_tempnet.tempnet.clip import TempNetCLIP
+from megatron_tempnet.trainer.config import ConfigError, OptimizerConfig, RunConfig, validate_run
+from megatron_tempnet.trainer.engine import decay_groups
+from megatron_tempnet.trainer.step import step_max_grad_norm
+from megatron_tempnet.trainer.task import ParamGroup, TaskData, TrainModel
+from megatron_tempnet.utils.flags import option
+from megatron_tempnet.utils.logging import log_rank0
+
+
+@dataclass
+class CLIPEvalConfig:
+    valid_data: list[str] | None = option(None, metavar="PATH")
+    """Held-out image-text pairs for zero-shot retrieval (and classification), evaluated every
+    --eval-interval and after the last iteration."""
+    ood_data: list[str] | None = option(None, metavar="PATH")
+    """Out-of-distribution pairs: the temperature's OOD AUROC against --valid-data."""
+    zeroshot_templates: list[str] | None = option(None, metavar="TEMPLATE")
+    """Prompts with {} for the class name (the --label-key values), e.g. 'a photo of a {}.'."""
+    eval_batch_size: int = 64
+    """Samples per forward pass in evaluation."""
+
+
+@dataclass
+class CLIPOptimizerConfig(OptimizerConfig):
+    """The paper's Table 6: lr 2e-4, weight decay 0.02, Adam betas (0.9, 0.999)."""
+
+    lr: float = 2e-4
+    """Peak learning rate of the towers (linear warmup, then cosine decay)."""
+    weight_decay: float = 0.02
+    """AdamW weight decay of the weights (biases and norms have none)."""
+    adam_beta2: float = 0.999
+    """AdamW's beta2."""
+
+
+@dataclass(kw_only=True)
+class CLIPRunConfig(RunConfig):
+    model: CLIPModelConfig
+    loss: CLIPLossConfig = field(default_factory=CLIPLossConfig)
+    tempnet: CLIPTempNetConfig = field(default_factory=CLIPTempNetConfig)
+    data: ImageTextDataConfig
+    tokenizer: TokenizerConfig
+    evaluation: CLIPEvalConfig = field(default_factory=CLIPEvalConfig)
+    optimizer: CLIPOptimizerConfig = field(default_factory=CLIPOptimizerConfig)
+
+
+def validate_clip(config: CLIPRunConfig, world_size: int) -> None:
+    p, t = config.parallel, config.training
+    if p.pipeline_model_parallel_size != 1:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}: CLIP runs with "
+            "tensor and data parallelism only (use 1)"
+        )
+    validate_run(config, world_size)
+    if config.gradient_accumulation_steps(world_size) != 1:
+        dp = config.data_parallel_size(world_size)
+        raise ConfigError(
+            f"--global-batch-size ({t.global_batch_size}) must equal --micro-batch-size "
+            f"({t.micro_batch_size}) x data-parallel size ({dp}): the contrastive candidates are "
+            "the global batch (no gradient accumulation)"
+        )
+    if t.global_batch_size < 2:
+        raise ConfigError("a contrastive loss needs a global batch of >= 2 pairs")
+    validate_clip_objective(config.loss, config.tempnet)
+    config.tempnet.resolve(config.optimizer.lr, config.optimizer.weight_decay)
+    config.model.validate(p.tensor_model_parallel_size)
+
+
+@dataclass
+class CLIPData(TaskData):
+    """The training pairs (``train`` walks them in shuffled epochs), evaluation sets, tokenizer."""
+
+    pairs: ImageTextDataset | None = None
+    ood: ImageTextDataset | None = None
+    tokenizer: object = None
+
+
+class PerSampleState:
+    """This rank's shard of the per-sample state as the rank state of its checkpoint files."""
+
+    def __init__(self, state: ShardedSampleState):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return {"sample_state": self.state.state_dict()}
+
+    def load_state_dict(self, saved: dict | None) -> None:
+        if not saved or "sample_state" not in saved:
+            raise SampleStateError(
+                f"the checkpoint has no per-sample state {self.state.fields}: it was saved by a "
+                "run with another --clip-loss (resume with the same one)"
+            )
+        self.state.load_state_dict(saved["sample_state"])
+
+
+class CLIPTask:
+    """The CLIP family's part of a run (``trainer.task.Task``)."""
+
+    evaluate_at_end = True
+
+    def prepare(self, config: CLIPRunConfig, world_size: int):
+        """The tokenizer; the data follows the model's input shapes; every flag checked."""
+        tokenizer = config.tokenizer.build()
+        m, d = config.model, config.data
+        if m.vocab_size is None:
+            m.vocab_size = tokenizer.vocab_size
+        d.image_size, d.image_channels, d.context_length = (
+            m.image_size,
+            m.image_channels,
+            m.context_length,
+        )
+        validate_clip(config, world_size)
+        d.validate()  # normalisation defaults and ranges, before any model is built
+        return tokenizer
+
+    def build_data(self, config: CLIPRunConfig, tokenizer) -> CLIPData:
+        from megatron.core import parallel_state
+
+        t, e = config.training, config.evaluation
+        pairs = ImageTextDataset(config.data, tokenizer)
+        train = EpochShuffledDataset(
+            pairs,
+            global_batch_size=t.global_batch_size,
+            num_positions=t.train_iters * t.global_batch_size,
+            seed=t.seed,
+        )
+        rank_state = None
+        fields = config.loss.state_fields
+        if fields:  # sharded over the data-parallel ranks, keyed by the pair's index
+            rank_state = PerSampleState(
+                ShardedSampleState(
+                    len(pairs),
+                    fields,
+                    group=parallel_state.get_data_parallel_group(),
+                    device="cuda" if torch.cuda.is_available() else None,
+                )
+            )
+        return CLIPData(
+            train=train,
+            valid=_eval_set(config, tokenizer, e.valid_data),
+            rank_state=rank_state,
+            pairs=pairs,
+            ood=_eval_set(config, tokenizer, e.ood_data),
+            tokenizer=tokenizer,
+        )
+
+    def build_model(self, config: CLIPRunConfig, data: CLIPData) -> TrainModel:
+        from megatron.core import parallel_state
+
+        t = config.training
+        dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
+        clip = CLIPModel(
+            config.model,
+            tensor_parallel_size=config.parallel.tensor_model_parallel_size,
+            params_dtype=dtype,
+            recompute=t.recompute_activations,
+            seed=t.seed,
+        )
+        seed_rngs(t.seed + clip.num_pieces)
+        module = CLIPTrainModule(
+            clip, config.loss, config.tempnet, dp_group=parallel_state.get_data_parallel_group()
+        )
+        module.to(dtype)  # as DeepSpeed casts it; the loss itself is computed in float32
+        if config.loss.uses_tempnet:
+            _init_prototypes(module, data.pairs, config.tempnet.proj_size, t.seed)
+        seed_rngs(t.seed)
+        module = module.cuda() if torch.cuda.is_available() else module
+        return TrainModel(module, _param_groups(module, config))
+
+    def build_step(self, engine, optimizer, config: CLIPRunConfig, data: CLIPData):
+        from megatron.core import parallel_state
+
+        sample_state = None if data.rank_state is None else data.rank_state.state
+        return partial(
+            train_step,
+            engine,
+            dp_group=parallel_state.get_data_parallel_group(),
+            max_grad_norm=step_max_grad_norm(config),
+            sample_state=sample_state,
+        )
+
+    def validate(self, engine, config: CLIPRunConfig, data: CLIPData) -> dict:
+        from megatron.core import parallel_state
+
+        e = config.evaluation
+
+        def encode_texts(texts: list[str]) -> torch.Tensor:
+            tokens, lengths = tokenize_captions(data.tokenizer, texts, config.model.context_length)
+            engine.eval()
+            out = engine(None, tokens, lengths, encode=True)["text"].float().cpu()
+            engine.train()
+            return out
+
+        return evaluate_clip(
+            engine,
+            data.valid,
+            batch_size=e.eval_batch_size,
+            dp_group=parallel_state.get_data_parallel_group(),
+            encode_texts=encode_texts,
+            templates=e.zeroshot_templates,
+            ood_ds=data.ood,
+        )
+
+
+def _eval_set(config: CLIPRunConfig, tokenizer, paths: list[str] | None):
+    """An evaluation set (no caption noise, no augmentation), or None."""
+    if not paths:
+        return None
+    d = config.data
+    evaluation = ImageTextDataConfig(
+        **{**d.__dict__, "paths": list(paths), "caption_noise": 0.0, "augment": False}
+    )
+    return ImageTextDataset(evaluation, tokenizer)
+
+
+def _param_groups(module: CLIPTrainModule, config: CLIPRunConfig) -> list[ParamGroup]:
+    """The towers and the temperature's head or global tau (``model``), TempNet's (``tempnet``)."""
+    opt, t = config.optimizer, config.tempnet
+    tempnets = [m for m in module.modules() if isinstance(m, TempNetCLIP)]
+    tempnet_params = [p for m in tempnets for p in m.parameters()]
+    owned = {id(p) for p in tempnet_params}
+    model_params = [p for p in module.parameters() if id(p) not in owned]
+    groups = decay_groups("model", model_params, opt.lr, opt.min_lr, opt.weight_decay)
+    if tempnet_params:
+        floor = t.lr * (opt.min_lr / opt.lr if opt.lr > 0 else 0.0)
+        groups.append(ParamGroup("tempnet", tempnet_params, t.lr, floor, t.weight_decay, "tempnet"))
+    return groups
+
+
+def _init_prototypes(module: CLIPTrainModule, pairs: ImageTextDataset, count: int, seed: int):
+    """From ``count`` pairs drawn with ``seed`` (the same on every rank); a resumed run then
+    loads the trained prototypes over them."""
+    if len(pairs) < count:
+        raise ConfigError(
+            f"TempNet's {count} prototypes are initialised from as many training pairs, but "
+            f"--train-data has {len(pairs)}: lower --tempnet-proj-size"
+        )
+    chosen = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed))[:count]
+    batch = torch.utils.data.default_collate([pairs[int(i)] for i in chosen])
+    module.eval()
+    module.init_prototypes(batch["image"], batch["tokens"], batch["length"])
+    module.train()
+    log_rank0("TempNet prototypes initialised from %d training pairs (the other modality)", count)

@@ -1,0 +1,81 @@
+"""The temperature belongs to the model (OpenCLIP's rule): one module gives every anchor its tau.
+
+By ``--clip-loss``:
+
+- ``clip``: one learnable global tau, ``exp`` of a parameter, clamped below at
+  ``--tempnet-tau-min`` (as OpenCLIP clamps its logit scale), not above;
+- ``sogclr``: the fixed ``--tau-init``;
+- ``isogclr``: the sample's own tau, kept in the per-sample state (``--tau-init`` on a first
+  visit) and updated by the objective;
+- ``tempnet``: an image ``TempNetCLIP`` and a text ``TempNetCLIP`` on the detached embeddings;
+- ``tau``: TaU, ``tau = --tau-init / sigmoid(a)`` with ``a`` from a linear head on the
+  (non-detached) embedding; ``-a`` is its uncertainty score.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from megatron_tempnet.models.clip.config import CLIPLossConfig, CLIPTempNetConfig
+from megatron_tempnet.tempnet.clip import TempNetCLIP
+
+SIDES = ("image", "text")
+
+
+class TaUHead(nn.Module):
+    """TaU's temperature head: ``[n, d]`` normalised embedding (with gradient) -> ``a [n]``."""
+
+    def __init__(self, embed_dim: int):
+        super().__init__()
+        self.linear = nn.Linear(embed_dim, 1)
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        return self.linear(embeddings.to(self.linear.weight.dtype))[:, 0].float()
+
+
+class CLIPTemperature(nn.Module):
+    """The learnable parts of the temperature for ``loss`` (none for sogclr and isogclr)."""
+
+    def __init__(self, loss: CLIPLossConfig, tempnet: CLIPTempNetConfig, embed_dim: int):
+        super().__init__()
+        self.loss, self.tau_min = loss, tempnet.tau_min
+        self.log_tau = None
+        self.tau_heads = None
+        self.tempnets = None
+        if loss.clip_loss == "clip":
+            self.log_tau = nn.Parameter(torch.tensor([math.log(loss.tau_init)]))
+        if loss.clip_loss == "tau":
+            self.tau_heads = nn.ModuleDict({side: TaUHead(embed_dim) for side in SIDES})
+        if loss.uses_tempnet:
+            kw = dict(
+                hidden_size=embed_dim,
+                proj_size=tempnet.proj_size,
+                tau_min=tempnet.tau_min,
+                tau_max=tempnet.tau_max,
+            )
+            self.tempnets = nn.ModuleDict({side: TempNetCLIP(embed_dim, **kw) for side in SIDES})
+
+    def global_tau(self) -> torch.Tensor:
+        """CLIP's learnable tau ``[1]``."""
+        return self.log_tau.float().exp().clamp(min=self.tau_min)
+
+    def forward(self, side: str, embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tau ``[n]`` for ``[n, d]`` normalised embeddings of ``side`` (clip, tau, tempnet), and
+        TaU's uncertainty score ``[n]`` (None for the others)."""
+        if self.tempnets is not None:  # the input is detached inside
+            return self.tempnets[side](embeddings).float(), None
+        if self.tau_heads is not None:  # 1 / tau = sigmoid(a) / tau_init
+            a = self.tau_heads[side](embeddings)
+            return self.loss.tau_init / torch.sigmoid(a), -a
+        return self.global_tau().expand(embeddings.shape[0]), None
+
+    @torch.no_grad()
+    def init_prototypes(self, image: torch.Tensor, text: torch.Tensor) -> None:
+        """TempNet's prototypes from ``d2`` examples' normalised embeddings: the image TempNet's
+        from their texts, the text TempNet's from their images (the paper's initialisation)."""
+        if self.tempnets is not None:
+            self.tempnets["image"].init_prototypes(text)
+            self.tempnets["text"].init_prototypes(image)

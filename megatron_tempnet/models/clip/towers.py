@@ -1,0 +1,176 @@
+"""CLIP's two towers from megatron-core transformer layers: a ViT and a text transformer.
+
+Image tower (ViT): ``[b, C, S, S]`` pixels are cut into ``(S / p)^2`` patches, each embedded by
+a linear map (CLIP's patch convolution without bias), a class token is prepended, learned
+positions added, a pre-norm applied; then bidirectional megatron-core ``TransformerLayer``s,
+the class token's final norm and a projection to the shared embedding.
+
+Text tower: vocabulary-parallel token embeddings plus learned positions, causal
+``TransformerLayer``s, a final norm, the hidden state at each caption's end-of-text token
+(position ``length - 1``) and a projection to the shared embedding.
+
+Both towers are tensor parallel exactly like the GPT model (attention heads, MLP columns and the
+vocabulary split over the TP group); patch, class and position embeddings, norms and the
+projections are replicated. Every piece is built right after ``seed_rngs(seed + its index)``,
+so the weights do not depend on the parallel layout (on CPU). The model returns the L2-normalised
+embeddings ``[b, d]``, identical on every TP rank.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from megatron_tempnet.models.clip.config import CLIPModelConfig
+from megatron_tempnet.models.transformer import (
+    FinalNorm,
+    TransformerPiece,
+    seed_rngs,
+    transformer_config,
+)
+
+
+class VisionEmbedding(nn.Module):
+    """``[b, C, S, S]`` -> ``[s = 1 + patches, b, h]``: patches, class token, positions, norm."""
+
+    def __init__(self, model: CLIPModelConfig, config):
+        super().__init__()
+        h, p = config.hidden_size, model.patch_size
+        self.patch_size = p
+        self.patch_embedding = nn.Linear(model.image_channels * p * p, h, bias=False)
+        self.class_embedding = nn.Parameter(torch.randn(h) * h**-0.5)
+        self.position_embeddings = nn.Parameter(torch.randn(model.num_patches + 1, h) * h**-0.5)
+        self.norm_pre = FinalNorm(config, _vision_spec())
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        b, c, _, _ = images.shape
+        p = self.patch_size
+        patches = images.unfold(2, p, p).unfold(3, p, p)  # [b, C, S/p, S/p, p, p]
+        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(b, -1, c * p * p)  # [b, P, C p p]
+        x = self.patch_embedding(patches.to(self.patch_embedding.weight.dtype))  # [b, P, h]
+        cls = self.class_embedding.to(x.dtype).expand(b, 1, -1)
+        x = torch.cat([cls, x], dim=1) + self.position_embeddings.to(x.dtype)
+        return self.norm_pre(x.transpose(0, 1).contiguous())  # [s, b, h]
+
+
+class TextEmbedding(nn.Module):
+    """``[b, L]`` token ids -> ``[L, b, h]``: vocabulary-parallel embedding plus positions."""
+
+    def __init__(self, model: CLIPModelConfig, config, padded_vocab: int):
+        super().__init__()
+        from megatron.core import tensor_parallel
+
+        self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
+            padded_vocab,
+            config.hidden_size,
+            init_method=config.embedding_init_method,
+            config=config,
+        )
+        self.position_embeddings = nn.Embedding(model.context_length, config.hidden_size)
+        config.embedding_init_method(self.position_embeddings.weight)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.word_embeddings(tokens) + self.position_embeddings(positions)  # [b, L, h]
+        return x.transpose(0, 1).contiguous()
+
+
+class Projection(nn.Module):
+    """``[b, h]`` -> ``[b, d]`` (no bias, replicated over TP)."""
+
+    def __init__(self, hidden: int, embed_dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(embed_dim, hidden) * hidden**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t()
+
+
+def _vision_spec():
+    """megatron-core's local layer spec with bidirectional attention (no mask)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.enums import AttnMaskType
+
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="LayerNorm"))
+    spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.no_mask}
+    return spec
+
+
+class CLIPModel(nn.Module):
+    """The two towers; ``encode_image``/``encode_text`` return normalised ``[b, d]`` embeddings.
+
+    ``forward(images [b, C, S, S], tokens [b, L], lengths [b])`` returns
+    ``(image_features [b, d], text_features [b, d])`` before normalisation (TaU reads them).
+    megatron-core's ``parallel_state`` (TP group) must be initialised first.
+    """
+
+    def __init__(
+        self,
+        model: CLIPModelConfig,
+        *,
+        tensor_parallel_size: int = 1,
+        params_dtype: torch.dtype = torch.float32,
+        recompute: bool = False,
+        seed: int = 1234,
+    ):
+        super().__init__()
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        model.validate(tensor_parallel_size)
+        self.config = model
+        vision, text = model.vision_tower(), model.text_tower()
+        kw = dict(tensor_parallel_size=tensor_parallel_size, params_dtype=params_dtype)
+        vconfig, tconfig = transformer_config(vision, **kw), transformer_config(text, **kw)
+        vspec, tspec = _vision_spec(), get_gpt_layer_local_spec(normalization="LayerNorm")
+        padded_vocab = model.padded_vocab_size(tensor_parallel_size)
+
+        def layers(prefix: str, count: int, config, spec) -> list:
+            def build(i: int):
+                return lambda: TransformerPiece(config, spec, i + 1, None, recompute)
+
+            return [(f"{prefix}_layer{i}", build(i)) for i in range(count)]
+
+        builders = [
+            ("vision_embedding", lambda: VisionEmbedding(model, vconfig)),
+            *layers("vision", model.vision_layers, vconfig, vspec),
+            ("vision_norm", lambda: FinalNorm(vconfig, vspec)),
+            ("vision_projection", lambda: Projection(vision.hidden_size, model.embed_dim)),
+            ("text_embedding", lambda: TextEmbedding(model, tconfig, padded_vocab)),
+            *layers("text", model.text_layers, tconfig, tspec),
+            ("text_norm", lambda: FinalNorm(tconfig, tspec)),
+            ("text_projection", lambda: Projection(text.hidden_size, model.embed_dim)),
+        ]
+        self.pieces = nn.ModuleDict()
+        for index, (name, build) in enumerate(builders):
+            seed_rngs(seed + index)
+            self.pieces[name] = build()
+        self.to(params_dtype)  # the embeddings and projections megatron-core does not build
+        self.num_pieces = len(builders)
+
+    def _run(self, prefix: str, x: torch.Tensor, layers: int) -> torch.Tensor:
+        for i in range(layers):
+            x = self.pieces[f"{prefix}_layer{i}"](x)
+        return self.pieces[f"{prefix}_norm"](x)
+
+    def image_features(self, images: torch.Tensor) -> torch.Tensor:
+        """``[b, C, S, S]`` -> ``[b, d]`` (not normalised): the class token, projected."""
+        x = self._run("vision", self.pieces["vision_embedding"](images), self.config.vision_layers)
+        return self.pieces["vision_projection"](x[0])
+
+    def text_features(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """``[b, L]`` tokens, ``[b]`` lengths -> ``[b, d]`` at each end-of-text token."""
+        x = self._run("text", self.pieces["text_embedding"](tokens), self.config.text_layers)
+        eot = (lengths.long() - 1).clamp(0, tokens.shape[1] - 1)  # [b]
+        pooled = x[eot, torch.arange(tokens.shape[0], device=x.device)]  # [b, h]
+        return self.pieces["text_projection"](pooled)
+
+    def forward(self, images, tokens, lengths) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.image_features(images), self.text_features(tokens, lengths)
+
+    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        return nn.functional.normalize(self.image_features(images).float(), dim=-1)
+
+    def encode_text(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return nn.functional.normalize(self.text_features(tokens, lengths).float(), dim=-1)

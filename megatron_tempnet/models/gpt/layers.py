@@ -1,0 +1,221 @@
+"""The GPT/LLaMA language model as a sequence of pieces, for one process or a pipeline.
+
+The model is composed from megatron-core's layers (``VocabParallelEmbedding``, ``TransformerLayer``
+on the local spec, its norm, ``ColumnParallelLinear``, ``RotaryEmbedding``; the shared pieces are
+``models.transformer``'s) as a flat list:
+
+    WordEmbedding     (tokens, position_ids) -> (word embeddings [b, s, h], position_ids)
+    EmbeddingOutput   + learned positions, [b, s, h] -> [s, b, h], dropout
+    TransformerPiece  x num_layers, [s, b, h] -> [s, b, h] (RoPE computed in each layer)
+    FinalNorm         [s, b, h]
+    output layer      [s, b, h] -> logits [b, s, V_pad/tp] (tied: the WordEmbedding's weight)
+
+``gpt_layer_specs`` gives the list as DeepSpeed ``LayerSpec``s: ``GPTStack`` builds and runs them
+in one process, and a DeepSpeed ``PipelineModule`` cuts the same list into stages. Every piece is
+built right after ``seed_rngs(base_seed + its index)``, so a pipeline stage builds exactly the
+weights the one-process model has at the same index, whatever the layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_tempnet.models.gpt.config import ModelConfig
+from megatron_tempnet.models.transformer import (
+    FinalNorm,
+    TransformerPiece,
+    seed_rngs,
+    transformer_config,
+)
+
+
+class WordEmbedding(nn.Module):
+    """Vocabulary-parallel word embeddings; with tied weights also the output layer.
+
+    ``forward`` embeds; ``project`` is the tied output layer (logits from the same weight),
+    used by the last piece of the model (DeepSpeed's ``TiedLayerSpec`` keeps the copies on the
+    first and last pipeline stages equal).
+    """
+
+    def __init__(self, config, vocab_size: int, tied: bool):
+        super().__init__()
+        from megatron.core import tensor_parallel
+
+        self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
+            vocab_size,
+            config.hidden_size,
+            init_method=config.embedding_init_method,
+            config=config,
+        )
+        self.output_layer = _output_layer(config, vocab_size, shared_weight=True) if tied else None
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]):
+        tokens, position_ids = inputs  # [b, s] each
+        return self.word_embeddings(tokens), position_ids  # [b, s, h]
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[s, b, h] -> logits [b, s, V_pad/tp] with the embedding's weight."""
+        logits, _ = self.output_layer(hidden, weight=self.word_embeddings.weight)
+        return logits.transpose(0, 1).contiguous()
+
+
+class EmbeddingOutput(nn.Module):
+    """Learned absolute positions (GPT-2; nothing for RoPE), the [s, b, h] layout, dropout."""
+
+    def __init__(self, config, max_position_embeddings: int, learned_positions: bool):
+        super().__init__()
+        self.position_embeddings = None
+        if learned_positions:
+            self.position_embeddings = nn.Embedding(max_position_embeddings, config.hidden_size)
+            if config.perform_initialization:
+                config.embedding_init_method(self.position_embeddings.weight)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        embeddings, position_ids = inputs  # [b, s, h], [b, s]
+        if self.position_embeddings is not None:
+            embeddings = embeddings + self.position_embeddings(position_ids)
+        return self.dropout(embeddings.transpose(0, 1).contiguous())  # [s, b, h]
+
+
+class OutputLayer(nn.Module):
+    """Untied output layer: [s, b, h] -> vocabulary-parallel logits [b, s, V_pad/tp]."""
+
+    def __init__(self, config, vocab_size: int):
+        super().__init__()
+        self.output_layer = _output_layer(config, vocab_size, shared_weight=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits, _ = self.output_layer(hidden)
+        return logits.transpose(0, 1).contiguous()
+
+
+def _output_layer(config, vocab_size: int, shared_weight: bool):
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.ColumnParallelLinear(
+        config.hidden_size,
+        vocab_size,
+        config=config,
+        init_method=config.init_method,
+        bias=False,
+        gather_output=False,
+        skip_weight_param_allocation=shared_weight,
+    )
+
+
+EMBEDDING_KEY = "embedding"
+
+
+def gpt_layer_specs(
+    model: ModelConfig,
+    *,
+    tensor_parallel_size: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    recompute_activations: bool = False,
+) -> list:
+    """The model as DeepSpeed layer specs (built lazily, on the stage that owns them).
+
+    Tied embeddings (GPT-2) are a ``TiedLayerSpec`` at both ends of the list.
+    """
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = transformer_config(
+        model, tensor_parallel_size=tensor_parallel_size, params_dtype=params_dtype
+    )
+    layer_spec = get_gpt_layer_local_spec(normalization=model.normalization)
+    vocab = model.padded_vocab_size(tensor_parallel_size)
+    tied = not model.untie_embeddings_and_output_weights
+    rope = dict(rotary_base=model.rotary_base) if model.position_embedding_type == "rope" else None
+    if tied:
+        tied_weight = {"tied_weight_attr": ["word_embeddings.weight"]}
+        embedding = TiedLayerSpec(EMBEDDING_KEY, WordEmbedding, config, vocab, True, **tied_weight)
+        output = TiedLayerSpec(
+            EMBEDDING_KEY,
+            WordEmbedding,
+            config,
+            vocab,
+            True,
+            forward_fn=WordEmbedding.project,
+            **tied_weight,
+        )
+    else:
+        embedding = LayerSpec(WordEmbedding, config, vocab, False)
+        output = LayerSpec(OutputLayer, config, vocab)
+    layers = [
+        LayerSpec(TransformerPiece, config, layer_spec, i + 1, rope, recompute_activations)
+        for i in range(model.num_layers)
+    ]
+    learned = model.position_embedding_type == "learned_absolute"
+    return [
+        embedding,
+        LayerSpec(EmbeddingOutput, config, model.max_position_embeddings, learned),
+        *layers,
+        LayerSpec(FinalNorm, config, layer_spec),
+        output,
+    ]
+
+
+class GPTStack(nn.Module):
+    """The pieces of ``gpt_layer_specs`` built and run in one process (no pipeline).
+
+    ``forward(tokens [b, s], position_ids [b, s])`` -> logits ``[b, s, V_pad/tp]``.
+    """
+
+    def __init__(self, specs: list, base_seed: int):
+        super().__init__()
+        from deepspeed.pipe import TiedLayerSpec
+
+        self.pieces = nn.ModuleList()
+        self.num_specs = len(specs)  # the next piece (TempNet) is seeded with base + this
+        self._calls: list = []
+        tied: dict[str, nn.Module] = {}
+        for index, spec in enumerate(specs):
+            if isinstance(spec, TiedLayerSpec) and spec.key in tied:
+                module = tied[spec.key]
+                self._calls.append(lambda x, m=module, fn=spec.forward_fn: fn(m, x))
+                continue
+            seed_rngs(base_seed + index)
+            module = spec.build()
+            if isinstance(spec, TiedLayerSpec):
+                tied[spec.key] = module
+            self.pieces.append(module)
+            self._calls.append(module)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = (tokens, position_ids)
+        for call in self._calls:
+            x = call(x)
+        return x
+
+    @property
+    def embedding(self) -> WordEmbedding:
+        return self.pieces[0]
+
+    @property
+    def final_norm(self) -> FinalNorm:
+        return self.pieces[-2] if isinstance(self.pieces[-1], OutputLayer) else self.pieces[-1]
+
+
+def build_gpt_model(
+    model: ModelConfig,
+    *,
+    tensor_parallel_size: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    recompute_activations: bool = False,
+    seed: int = 1234,
+) -> GPTStack:
+    """The one-process language model; its forward returns logits ``[b, s, V_pad/tp]``.
+
+    megatron-core's ``parallel_state`` must be initialised (TP group) before the call. The
+    weights depend on ``seed`` only, not on the parallel layout (on CPU).
+    """
+    specs = gpt_layer_specs(
+        model,
+        tensor_parallel_size=tensor_parallel_size,
+        params_dtype=params_dtype,
+        recompute_activations=recompute_activations,
+    )
+    return GPTStack(specs, seed)

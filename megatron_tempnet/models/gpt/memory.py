@@ -1,0 +1,255 @@
+"""Per-GPU memory of a GPT/LLaMA + TempNet training run, before it is queued.
+
+Arithmetic only (no torch, no process group): parameter counts per pipeline stage from the model's
+pieces (models/gpt/layers.py), model states per ZeRO stage, activations of megatron-core's local
+transformer layer, the vocabulary-parallel logits and the DRO loss's buffers, TempNet's buffers.
+
+Model states follow DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``:
+``2P + 18P/N`` bytes; ``estimate_zero3_model_states_mem_needs``: ``4 x largest layer + 18P/N``),
+split into what each byte is: 16-bit weights (2), 16-bit gradients (2), float32 gradients (4),
+float32 master weights (4), Adam's two moments (8). Those are conservative (ZeRO-2 counts the
+16-bit gradients whole and partitioned). Stage 0 and 1 use the same parts with what DeepSpeed
+does not partition at that stage. In float32 (no mixed precision) the parts are weights (4),
+gradients (4) and Adam's moments (8). Frozen parameters (``--freeze-lm``) hold weights only.
+
+Activations (bytes, ``e`` the element size, ``t`` TP, micro-batch ``b``, sequence ``s``, hidden
+``h``, ``a`` heads, FFN ``f``; f' = 2f with SwiGLU): what one layer keeps for backward,
+``s*b*e*(4h + 4h/t + (f + f')/t) + e*b*a*s^2/t`` (the inputs of its two norms and four linear
+layers, query, key and value (expanded to every head with grouped-query attention), the attention
+context, and the softmax of the unfused attention), times layers times micro-batches in flight
+(DeepSpeed's pipeline keeps ``min(PP - stage, micro-batches)``). With recomputation a layer keeps
+its input only, and one layer is rebuilt at a time. A frozen LM keeps nothing: one layer's working
+set at a time. The last stage adds the logits ``[s*b, V/t]`` (``e`` bytes), the loss's float32
+buffer (``exp(z)``, then the gradient, in place) and the reported cross-entropy's transient float32
+buffer, and TempNet's activations. While a layer runs it adds a working set (the attention's two
+transient ``[b, a/t, s, s]`` scores; the whole layer when it is recomputed or frozen); the output
+buffers exist only after the last layer, so only the larger of the two counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_tempnet.models.gpt.config import ModelConfig
+from megatron_tempnet.models.transformer import ModelConfigError
+from megatron_tempnet.utils.cli import UserError
+
+GIB = 2**30
+PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+class EstimateError(UserError, ValueError):
+    """A layout that cannot be built; names the flags."""
+
+
+@dataclass
+class Layout:
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 1
+    zero_stage: int = 0
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    """None: one micro-batch per data-parallel rank (no accumulation)."""
+    precision: str = "fp32"
+    freeze_lm: bool = False
+    recompute_activations: bool = False
+    tempnet: bool = True
+    tempnet_hidden_size: int = 256
+    tempnet_proj_size: int = 256
+
+    @property
+    def micro_batches(self) -> int:
+        gbs = self.global_batch_size or self.micro_batch_size * self.data_parallel
+        return gbs // (self.micro_batch_size * self.data_parallel)
+
+
+@dataclass
+class StageParams:
+    """Parameters one GPU of a pipeline stage holds (its TP shard)."""
+
+    lm: int = 0
+    tempnet: int = 0
+    largest_layer: int = 0
+    layers: int = 0
+    first: bool = False
+    last: bool = False
+
+
+@dataclass
+class Estimate:
+    stage: int
+    params: StageParams
+    parts: dict[str, int] = field(default_factory=dict)
+    """Bytes per GPU by part (weights, gradients, optimizer states, activations, ...)."""
+
+    @property
+    def model_states(self) -> int:
+        return sum(self.parts[k] for k in ("weights", "gradients", "optimizer states"))
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+def check_layout(model: ModelConfig, layout: Layout) -> None:
+    """The trainer's own checks (heads/groups vs TP, layers vs PP, ZeRO with PP, batches)."""
+    try:
+        model.validate(layout.tensor_parallel)
+    except ModelConfigError as e:
+        raise EstimateError(str(e)) from None
+    lay = layout
+    if model.num_layers % lay.pipeline_parallel:
+        raise EstimateError(
+            f"--num-layers ({model.num_layers}) must be divisible by "
+            f"--pipeline-model-parallel-size ({lay.pipeline_parallel})"
+        )
+    if lay.pipeline_parallel > 1 and lay.zero_stage > 1:
+        raise EstimateError(
+            f"--zero-stage {lay.zero_stage} does not work with "
+            "--pipeline-model-parallel-size > 1 (DeepSpeed: ZeRO 0-1 only)"
+        )
+    if lay.zero_stage not in (0, 1, 2, 3):
+        raise EstimateError(f"--zero-stage ({lay.zero_stage}) must be 0, 1, 2 or 3")
+    if lay.precision not in PRECISIONS:
+        raise EstimateError(f"precision {lay.precision!r} is not one of {', '.join(PRECISIONS)}")
+    per_step = lay.micro_batch_size * lay.data_parallel
+    if min(lay.tensor_parallel, lay.pipeline_parallel, lay.data_parallel, lay.micro_batch_size) < 1:
+        raise EstimateError("--tp, --pp, --dp and --micro-batch-size must be >= 1")
+    if lay.global_batch_size is not None and lay.global_batch_size % per_step:
+        raise EstimateError(
+            f"--global-batch-size ({lay.global_batch_size}) must be a multiple "
+            f"of --micro-batch-size x --dp ({per_step})"
+        )
+
+
+def layer_params(model: ModelConfig, tp: int) -> int:
+    """One transformer layer's parameters on one TP rank."""
+    h, heads = model.hidden_size, model.num_attention_heads
+    d = h // heads
+    groups = model.num_query_groups or heads
+    ffn = model.ffn_hidden_size or 4 * h
+    up = 2 * ffn if model.swiglu else ffn
+    bias = model.add_bias_linear
+    qkv = h * (heads + 2 * groups) * d // tp + (bias and (heads + 2 * groups) * d // tp)
+    proj = heads * d * h // tp + (bias and h)
+    mlp = h * up // tp + (bias and up // tp) + ffn * h // tp + (bias and h)
+    norms = 2 * _norm_params(model)
+    return qkv + proj + mlp + norms
+
+
+def _norm_params(model: ModelConfig) -> int:
+    return model.hidden_size * (2 if model.normalization == "LayerNorm" else 1)
+
+
+def tempnet_params(model: ModelConfig, layout: Layout) -> int:
+    """TempNetLM on one TP rank: W1 over the local true vocabulary, then replicated layers."""
+    d1, d2 = layout.tempnet_hidden_size, layout.tempnet_proj_size
+    local_vocab = -(-model.vocab_size // layout.tensor_parallel)
+    return d1 * local_vocab + d1 + d2 * d1 + d2 + 2
+
+
+def stage_params(model: ModelConfig, layout: Layout) -> list[StageParams]:
+    """Per pipeline stage: embeddings on the first, final norm, output layer, TempNet on the last
+    (a tied output layer is a second copy of the embedding there when PP > 1)."""
+    tp, pp = layout.tensor_parallel, layout.pipeline_parallel
+    vocab = model.padded_vocab_size(tp) // tp * model.hidden_size
+    positions = (
+        model.max_position_embeddings * model.hidden_size
+        if model.position_embedding_type == "learned_absolute"
+        else 0
+    )
+    per_layer = layer_params(model, tp)
+    tied = not model.untie_embeddings_and_output_weights
+    stages = []
+    for i in range(pp):
+        s = StageParams(layers=model.num_layers // pp, first=i == 0, last=i == pp - 1)
+        s.lm = s.layers * per_layer
+        s.largest_layer = per_layer
+        if s.first:
+            s.lm += vocab + positions
+            s.largest_layer = max(per_layer, vocab)
+        if s.last:
+            s.lm += _norm_params(model) + (0 if tied and pp == 1 else vocab)
+            s.largest_layer = max(s.largest_layer, vocab)
+            s.tempnet = tempnet_params(model, layout) if layout.tempnet else 0
+        stages.append(s)
+    return stages
+
+
+def model_state_bytes(trainable: int, frozen: int, largest: int, layout: Layout) -> dict:
+    """Weights, gradients and optimizer states per GPU (DeepSpeed's accounting, see above)."""
+    n, z = layout.data_parallel, layout.zero_stage
+    shard = lambda stage, x: x / n if z >= stage else x  # noqa: E731  (partitioned from `stage`)
+    if PRECISIONS[layout.precision] == 2:
+        weights = shard(3, 2 * (trainable + frozen)) + (4 * largest if z == 3 else 0)
+        grads = (0 if z == 3 else shard(2, 2 * trainable)) + shard(1, 4 * trainable)
+        optim = shard(1, 12 * trainable)
+    else:
+        weights = shard(3, 4 * (trainable + frozen)) + (4 * largest if z == 3 else 0)
+        grads = shard(2, 4 * trainable)
+        optim = shard(1, 8 * trainable)
+    return {"weights": int(weights), "gradients": int(grads), "optimizer states": int(optim)}
+
+
+def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int) -> int:
+    """What one transformer layer keeps for backward, one micro-batch (formula above)."""
+    e, t, b, s = (
+        PRECISIONS[layout.precision],
+        layout.tensor_parallel,
+        layout.micro_batch_size,
+        seq_length,
+    )
+    h, a = model.hidden_size, model.num_attention_heads
+    ffn = model.ffn_hidden_size or 4 * h
+    up = 2 * ffn if model.swiglu else ffn
+    return s * b * e * (4 * h + (4 * h + ffn + up) // t) + e * b * a * s * s // t
+
+
+def _attention_transient(model: ModelConfig, layout: Layout, seq_length: int) -> int:
+    e, t, b = PRECISIONS[layout.precision], layout.tensor_parallel, layout.micro_batch_size
+    return 2 * e * b * model.num_attention_heads * seq_length**2 // t
+
+
+def output_bytes(model: ModelConfig, layout: Layout, seq_length: int) -> dict:
+    """The last stage: logits shard, the loss's float32 buffers, TempNet's activations."""
+    e, t = PRECISIONS[layout.precision], layout.tensor_parallel
+    tokens = seq_length * layout.micro_batch_size
+    local_vocab = model.padded_vocab_size(t) // t
+    logits = e * tokens * local_vocab
+    loss = 2 * 4 * tokens * local_vocab  # exp(z)/gradient buffer + the reported CE's buffer
+    d1, d2 = layout.tempnet_hidden_size, layout.tempnet_proj_size
+    tempnet = e * tokens * (3 * d1 + 3 * d2) if layout.tempnet else 0
+    return {"logits shard": logits, "loss buffers": loss, "TempNet activations": tempnet}
+
+
+def estimate(model: ModelConfig, layout: Layout, seq_length: int | None = None) -> list[Estimate]:
+    """Per-GPU estimate of every pipeline stage (the caller picks the largest)."""
+    check_layout(model, layout)
+    s = seq_length or model.seq_length
+    per_layer = layer_activation_bytes(model, layout, s)
+    out = []
+    for i, p in enumerate(stage_params(model, layout)):
+        trainable = p.tempnet + (0 if layout.freeze_lm else p.lm)
+        frozen = p.lm if layout.freeze_lm else 0
+        parts = model_state_bytes(trainable, frozen, p.largest_layer, layout)
+        in_flight = min(layout.pipeline_parallel - i, layout.micro_batches)
+        transient = _attention_transient(model, layout, s)
+        if layout.freeze_lm:  # no graph through the LM: one layer's working set at a time
+            stored, working = 0, per_layer + transient
+        elif layout.recompute_activations:  # layer inputs kept; one layer rebuilt in backward
+            e, b = PRECISIONS[layout.precision], layout.micro_batch_size
+            stored, working = in_flight * p.layers * s * b * e * model.hidden_size, per_layer
+        else:
+            stored, working = in_flight * p.layers * per_layer, transient
+        parts["activations"] = stored
+        outputs = output_bytes(model, layout, s) if p.last else {}
+        parts.update(outputs)
+        # a layer's working set and the output buffers never coexist: the larger one counts
+        parts["layer working set"] = max(0, working - sum(outputs.values()))
+        out.append(Estimate(stage=i, params=p, parts=parts))
+    return out
+
+
+def largest(estimates: list[Estimate]) -> Estimate:
+    return max(estimates, key=lambda x: x.total)

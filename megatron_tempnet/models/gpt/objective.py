@@ -1,0 +1,200 @@
+"""The GPT objective: which loss, where tau comes from, and the module the engine trains.
+
+``--loss``: ``ce`` (cross-entropy, tau unused), ``dro`` (the KL-DRO loss of eq. 2, the paper's
+objective) or ``ts-ce`` (cross-entropy of L / tau, the paper's ablation).
+``--tau-source``: ``fixed`` (one constant), ``tempnet`` (TempNet's per-token prediction, learned
+through the loss), ``newton`` (the per-token minimiser of f over tau, Baseline 2; no gradient).
+
+One contract: the losses return per-token values, and the training step applies the loss mask and
+divides once by the number of unmasked tokens in the global batch (``masked_mean``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from megatron_tempnet.losses import (
+    optimal_tau,
+    temperature_scaled_cross_entropy,
+    vocab_parallel_dro_loss,
+)
+from megatron_tempnet.tempnet import TempNetLM
+from megatron_tempnet.tempnet.config import TempNetConfig
+from megatron_tempnet.utils.cli import UserError
+from megatron_tempnet.utils.flags import option
+
+LOSSES = ("ce", "dro", "ts-ce")
+TAU_SOURCES = ("fixed", "tempnet", "newton")
+
+
+class LossConfigError(UserError, ValueError):
+    """Loss or TempNet flags that do not fit together; names the flags."""
+
+
+@dataclass
+class LossConfig:
+    """What the run optimises and what learns."""
+
+    loss: str = option("dro", choices=LOSSES)
+    """The per-token loss: the KL-DRO loss of eq. 2 (dro), cross-entropy (ce), or cross-entropy
+    of L / tau (ts-ce, the paper's ablation)."""
+    tau_source: str = option("tempnet", choices=TAU_SOURCES)
+    """Where tau comes from: TempNet's prediction learned through the loss (tempnet), one value
+    (fixed: --fixed-tau), or each token's optimal tau by Newton's method (newton, Baseline 2)."""
+    fixed_tau: float = 1.0
+    """tau for --tau-source fixed."""
+    freeze_lm: bool = False
+    """Setting (iii): the LM runs without gradients and is not in the optimizer; only TempNet
+    learns."""
+
+    @property
+    def uses_tempnet(self) -> bool:
+        return self.tau_source == "tempnet"
+
+
+def validate_objective(loss: LossConfig, tempnet: TempNetConfig) -> None:
+    """Raise ``LossConfigError`` naming the flags when the objective cannot train."""
+    if loss.loss not in LOSSES:
+        raise LossConfigError(f"--loss {loss.loss!r} is not one of {', '.join(LOSSES)}")
+    if loss.tau_source not in TAU_SOURCES:
+        raise LossConfigError(
+            f"--tau-source {loss.tau_source!r} is not one of {', '.join(TAU_SOURCES)}"
+        )
+    problem = tempnet.range_problem()
+    if problem:
+        raise LossConfigError(problem)
+    if loss.tau_source == "fixed" and not loss.fixed_tau > 0:
+        raise LossConfigError(f"--fixed-tau ({loss.fixed_tau}) must be > 0")
+    if loss.tau_source == "newton" and tempnet.rho == 0:
+        raise LossConfigError("--tau-source newton needs --tempnet-rho > 0 (f decreases in tau)")
+    if loss.loss == "ce" and loss.tau_source == "tempnet":
+        raise LossConfigError(
+            "--loss ce does not use tau, so TempNet would get no gradient: use --loss dro or "
+            "ts-ce with --tau-source tempnet, or --tau-source fixed/newton to only report tau"
+        )
+    if not tempnet.stop_grad and loss.tau_source != "tempnet":
+        raise LossConfigError("--no-tempnet-stop-grad needs --tau-source tempnet")
+    if loss.freeze_lm and not loss.uses_tempnet:
+        raise LossConfigError(
+            "--freeze-lm trains TempNet only: it needs --tau-source tempnet (nothing else learns)"
+        )
+    if loss.freeze_lm and not tempnet.stop_grad:
+        raise LossConfigError("--freeze-lm and --no-tempnet-stop-grad contradict each other")
+
+
+@dataclass
+class TokenLosses:
+    """Per-token values, all ``[b, s]``; only ``loss`` carries gradients."""
+
+    loss: torch.Tensor
+    ce: torch.Tensor
+    tau: torch.Tensor
+    ts_ce: torch.Tensor | None = None  # cross-entropy of L / tau (T-LLM), in eval mode only
+
+
+def token_losses(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    config: LossConfig,
+    tempnet_config: TempNetConfig,
+    *,
+    vocab_size: int,
+    tempnet: torch.nn.Module | None = None,
+    tau: torch.Tensor | None = None,
+    tp_group=None,
+) -> TokenLosses:
+    """Per-token training loss, cross-entropy and tau from vocabulary-parallel logits.
+
+    Args:
+        logits: ``[b, s, V_pad/tp]`` this rank's slice of the output layer (never gathered).
+        labels: ``[b, s]`` target ids.
+        tempnet_config: rho (the DRO loss) and tau0 (Newton's lower bound).
+        vocab_size: the true vocabulary |C|; padded columns are excluded from every sum.
+        tempnet: the ``TempNetLM`` for ``--tau-source tempnet``.
+        tau: ``[b, s]`` TempNet's prediction, when it ran already (pipeline's last stage).
+        tp_group: the tensor-parallel group the vocabulary is split over (None: no TP).
+    """
+    if config.tau_source == "tempnet":
+        if tau is None:
+            tau = tempnet(logits)  # [b, s]; detached input unless --no-tempnet-stop-grad
+    elif config.tau_source == "newton":
+        with torch.no_grad():
+            tau = optimal_tau(
+                logits.detach(),
+                rho=tempnet_config.rho,
+                tau_min=tempnet_config.tau_min,
+                vocab_size=vocab_size,
+                tp_group=tp_group,
+            )
+    else:
+        tau = torch.full(labels.shape, config.fixed_tau, dtype=torch.float32, device=labels.device)
+    common = {"vocab_size": vocab_size, "tp_group": tp_group}
+    if config.loss == "dro":
+        loss = vocab_parallel_dro_loss(logits, labels, tau, rho=tempnet_config.rho, **common)
+    elif config.loss == "ts-ce":
+        loss = temperature_scaled_cross_entropy(logits, labels, tau, **common)
+    else:
+        loss = temperature_scaled_cross_entropy(logits, labels, 1.0, **common)
+    if config.loss == "ce":
+        ce = loss.detach()
+    else:  # reported, not trained on: one more read of the logits, no graph
+        with torch.no_grad():
+            ce = temperature_scaled_cross_entropy(logits.detach(), labels, 1.0, **common)
+    ts_ce = None
+    if not torch.is_grad_enabled():  # evaluation: the T-LLM perplexity's per-token term
+        ts_ce = (
+            loss
+            if config.loss == "ts-ce"
+            else temperature_scaled_cross_entropy(logits, labels, tau, **common)
+        )
+    return TokenLosses(loss=loss, ce=ce, tau=tau.detach(), ts_ce=ts_ce)
+
+
+def masked_mean(values: torch.Tensor, loss_mask: torch.Tensor, num_tokens: torch.Tensor | float):
+    """``sum(values * mask) / num_tokens``: the normalisation by the global token count.
+
+    ``num_tokens`` is the number of unmasked tokens in the whole global batch (all micro-batches
+    and data-parallel ranks), so gradients summed over them equal the global-batch mean.
+    """
+    return (values.float() * loss_mask.float()).sum() / num_tokens
+
+
+class TrainModule(torch.nn.Module):
+    """The LM and (when tau comes from it) TempNet, as one module for the engine.
+
+    Its forward is the whole objective, so that every pass goes through the DeepSpeed engine
+    (ZeRO's per-micro-batch bookkeeping happens in the engine's forward).
+    """
+
+    def __init__(
+        self,
+        lm: torch.nn.Module,
+        tempnet: TempNetLM | None,
+        loss: LossConfig,
+        tempnet_config: TempNetConfig,
+        vocab_size: int,
+        tp_group=None,
+    ):
+        super().__init__()
+        self.lm = lm
+        self.tempnet = tempnet
+        self.loss_config, self.tempnet_config = loss, tempnet_config
+        self.vocab_size, self.tp_group = vocab_size, tp_group
+
+    def forward(self, tokens, position_ids, labels) -> TokenLosses:
+        """``[b, s]`` token ids, positions and labels -> per-token loss, CE and tau."""
+        frozen = self.loss_config.freeze_lm
+        with torch.no_grad() if frozen else contextlib.nullcontext():
+            logits = self.lm(tokens, position_ids)  # [b, s, V_pad/tp]
+        return token_losses(
+            logits,
+            labels,
+            self.loss_config,
+            self.tempnet_config,
+            vocab_size=self.vocab_size,
+            tempnet=self.tempnet,
+            tp_group=self.tp_group,
+        )

@@ -1,0 +1,194 @@
+"""GPT pipeline parallelism (--pipeline-model-parallel-size > 1) on DeepSpeed's pipeline engine.
+
+The model's pieces (``gpt_layer_specs``) are cut into stages with an equal number of transformer
+layers; the first stage also holds the embeddings, the last the final norm, the output layer,
+TempNet and the loss. DeepSpeed's schedule runs the micro-batches; the last stage's ``loss_fn``
+(``PipelineObjective``) computes the same per-token losses, masking and global-token-count
+normalisation as the one-process step, and collects the same statistics.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.pipe import LayerSpec
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from torch import nn
+
+from megatron_tempnet import compat
+from megatron_tempnet.models.gpt.config import ModelConfig
+from megatron_tempnet.models.gpt.layers import gpt_layer_specs
+from megatron_tempnet.models.gpt.objective import LossConfig, masked_mean, token_losses
+from megatron_tempnet.models.gpt.step import (
+    VALID_STATS,
+    TokenStatistics,
+    add_validation,
+    global_token_count,
+    unpack_batch,
+    validation_metrics,
+)
+from megatron_tempnet.models.transformer import seed_rngs
+from megatron_tempnet.tempnet import TempNetLM
+from megatron_tempnet.tempnet.config import TempNetConfig
+from megatron_tempnet.trainer.pipeline import Pipeline
+from megatron_tempnet.trainer.stats import Statistics, StepStats
+from megatron_tempnet.trainer.step import clip_grad_norm_, compute_device
+
+
+class TempNetPiece(nn.Module):
+    """The last piece: logits ``[b, s, V_pad/tp]`` -> (logits, tau ``[b, s]``)."""
+
+    def __init__(self, dtype: torch.dtype, **tempnet_kwargs):
+        super().__init__()
+        self.tempnet = TempNetLM(**tempnet_kwargs).to(dtype)
+
+    def forward(self, logits: torch.Tensor):
+        return logits, self.tempnet(logits)
+
+
+class PipelineObjective:
+    """``loss_fn(outputs, (labels, loss_mask))`` on the last stage.
+
+    In training it returns this micro-batch's share of the global mean, scaled by the data-parallel
+    size x accumulation steps (DeepSpeed divides by both); in evaluation it adds the validation
+    sums. ``start_step`` and ``start_validation`` reset it.
+    """
+
+    def __init__(self, loss: LossConfig, tempnet: TempNetConfig, vocab_size: int, tp_group):
+        self.loss, self.tempnet = loss, tempnet
+        self.vocab_size, self.tp_group = vocab_size, tp_group
+        self.num_tokens, self.scale = 1.0, 1.0
+        self.train_stats = TokenStatistics()
+        self.valid_stats = Statistics(VALID_STATS, compute_device())
+
+    def start_step(self, num_tokens: float, scale: float) -> None:
+        """A new iteration: ``num_tokens`` unmasked tokens in the global batch."""
+        self.num_tokens, self.scale = num_tokens, scale
+        self.train_stats = TokenStatistics()
+
+    def start_validation(self) -> None:
+        self.valid_stats = Statistics(VALID_STATS, compute_device())
+
+    def __call__(self, outputs, labels):
+        logits, tau = outputs if isinstance(outputs, tuple) else (outputs, None)
+        labels, mask = labels
+        out = token_losses(
+            logits,
+            labels,
+            self.loss,
+            self.tempnet,
+            vocab_size=self.vocab_size,
+            tau=tau,
+            tp_group=self.tp_group,
+        )
+        if torch.is_grad_enabled():
+            self.train_stats.add(out, mask)
+            return masked_mean(out.loss, mask, self.num_tokens) * self.scale
+        add_validation(self.valid_stats, out, mask)
+        return masked_mean(out.ce, mask, max(float(mask.sum()), 1.0))
+
+
+class GPTPipeline(Pipeline):
+    """This rank's stage; TempNet, the last piece, may start fresh from an LM-only checkpoint."""
+
+
+def build_pipeline(
+    model: ModelConfig,
+    loss: LossConfig,
+    tempnet: TempNetConfig,
+    *,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    dtype: torch.dtype,
+    recompute: bool,
+    seed: int,
+    tempnet_kwargs: dict,
+    tp_group,
+) -> GPTPipeline:
+    """This rank's stage of the model; the same weights as the one-process model (on CPU)."""
+    specs = gpt_layer_specs(
+        model,
+        tensor_parallel_size=tensor_parallel,
+        params_dtype=dtype,
+        recompute_activations=recompute,
+    )
+    if loss.uses_tempnet:
+        specs.append(LayerSpec(TempNetPiece, dtype, **tempnet_kwargs))
+    world = torch.distributed.get_world_size()
+    data_parallel = world // (tensor_parallel * pipeline_parallel)
+    module = GPTPipeline(
+        layers=specs,
+        topology=PipeModelDataParallelTopology(
+            num_pp=pipeline_parallel, num_mp=tensor_parallel, num_dp=data_parallel
+        ),
+        loss_fn=PipelineObjective(loss, tempnet, model.vocab_size, tp_group),
+        seed_layers=True,
+        seed_fn=seed_rngs,
+        base_seed=seed,
+        partition_method="type:TransformerPiece",
+        optional={"tempnet.": "TempNet"},
+        forward_only=loss.freeze_lm,
+    )
+    if loss.freeze_lm:
+        for piece in compat.pipeline_pieces(module):
+            if isinstance(piece, nn.Module) and not isinstance(piece, TempNetPiece):
+                piece.requires_grad_(False)
+        for tied in module.tied_modules.values():
+            tied.requires_grad_(False)
+    seed_rngs(seed)  # dropout streams do not depend on which pieces this stage built
+    return module
+
+
+def stage_has_tempnet(module: GPTPipeline) -> bool:
+    return any(isinstance(piece, TempNetPiece) for piece in compat.pipeline_pieces(module))
+
+
+class NormRecorder:
+    """Clips before every optimizer step (ZeRO 0, float32, where DeepSpeed's pipeline clipping
+    would count replicated parameters on the first stage only) and keeps the norm."""
+
+    def __init__(self, optimizer, max_norm: float):
+        self.max_norm, self.norm = max_norm, None
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        optimizer.register_step_pre_hook(self._hook)
+
+    def _hook(self, optimizer, args, kwargs):
+        self.norm = clip_grad_norm_(self._params, self.max_norm)
+
+
+def _micro_batches(unpacked: list[tuple]):
+    return iter([((tokens, pos), (labels, mask)) for tokens, labels, mask, pos in unpacked])
+
+
+def pipeline_train_step(
+    engine, batches: list[dict], *, dp_group, pp_group, norm: NormRecorder | None
+) -> tuple[StepStats, float | None]:
+    """One iteration through DeepSpeed's pipeline schedule; same results as ``train_step``."""
+    objective: PipelineObjective = engine.module.loss_fn
+    unpacked = [unpack_batch(b) for b in batches]
+    dp = torch.distributed.get_world_size(group=dp_group)
+    objective.start_step(global_token_count(unpacked, dp_group), dp * len(batches))
+    engine.train_batch(_micro_batches(unpacked))
+    stats = objective.train_stats.reduce(dp_group, pp_group)
+    stats.tau_sample = _share_sample(objective.train_stats.sample, pp_group)
+    grad_norm = norm.norm if norm is not None else engine.get_global_grad_norm()
+    return stats, None if grad_norm is None else float(grad_norm)
+
+
+def _share_sample(sample: torch.Tensor, pp_group) -> torch.Tensor:
+    """The tau sample of the one stage that has it, on every stage of ``pp_group``."""
+    count = torch.tensor([sample.numel()], dtype=torch.float64, device=compute_device())
+    torch.distributed.all_reduce(count, group=pp_group)
+    buffer = torch.zeros(int(count.item()), dtype=torch.float64, device=compute_device())
+    if sample.numel():
+        buffer.copy_(sample.to(buffer))
+    torch.distributed.all_reduce(buffer, group=pp_group)
+    return buffer.float().cpu()
+
+
+@torch.no_grad()
+def pipeline_evaluate(engine, batches, *, dp_group, pp_group) -> dict:
+    objective: PipelineObjective = engine.module.loss_fn
+    objective.start_validation()
+    unpacked = [unpack_batch(b) for b in batches]
+    engine.eval_batch(_micro_batches(unpacked), num_micro_batches=len(unpacked))
+    return validation_metrics(objective.valid_stats.reduce(dp_group, pp_group))

@@ -1,0 +1,240 @@
+"""GPT/LLaMA pretraining as a trainer task: indexed token data, the LM and TempNet, token losses.
+
+The LM and TempNet sit in one module the engine wraps (``TrainModule``; with pipeline
+parallelism this rank's stage, ``GPTPipeline``), so ZeRO shards both and checkpoints hold both.
+The optimizer groups are the LM's weights (with weight decay), the LM's biases and norms
+(without) and TempNet's (--tempnet-lr, --tempnet-weight-decay, on its own schedule); with
+--freeze-lm the LM is in no group at all.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from megatron_tempnet.data.gpt_data import GPTDataConfig, build_gpt_datasets, num_samples
+from megatron_tempnet.data.loader import DataState, ResumableLoader, dataset_fingerprint
+from megatron_tempnet.data.tokenizers import TokenizerConfig
+from megatron_tempnet.models.gpt.config import ModelConfig
+from megatron_tempnet.models.gpt.layers import build_gpt_model
+from megatron_tempnet.models.gpt.objective import LossConfig, TrainModule, validate_objective
+from megatron_tempnet.models.gpt.step import evaluate, train_step
+from megatron_tempnet.models.transformer import seed_rngs
+from megatron_tempnet.tempnet import TempNetLM
+from megatron_tempnet.tempnet.config import TempNetConfig
+from megatron_tempnet.trainer.checkpoint_format import (
+    FROZEN_LM_EXCLUDED,
+    CheckpointError,
+    has_marker,
+    latest_tag,
+)
+from megatron_tempnet.trainer.config import ConfigError, RunConfig, validate_run
+from megatron_tempnet.trainer.engine import decay_groups
+from megatron_tempnet.trainer.step import step_max_grad_norm
+from megatron_tempnet.trainer.task import ParamGroup, TaskData, TrainModel
+
+
+@dataclass(kw_only=True)
+class GPTRunConfig(RunConfig):
+    model: ModelConfig
+    loss: LossConfig = field(default_factory=LossConfig)
+    tempnet: TempNetConfig = field(default_factory=TempNetConfig)
+    data: GPTDataConfig
+    tokenizer: TokenizerConfig
+
+
+def validate_gpt(config: GPTRunConfig, world_size: int) -> None:
+    """Every check of a pretrain_gpt.py run, before anything is built."""
+    pp = config.parallel.pipeline_model_parallel_size
+    if pp > 1 and config.model.num_layers % pp:
+        raise ConfigError(
+            f"--num-layers ({config.model.num_layers}) must be divisible by "
+            f"--pipeline-model-parallel-size ({pp})"
+        )
+    validate_run(config, world_size)
+    validate_objective(config.loss, config.tempnet)
+    config.tempnet.resolve(config.optimizer.lr, config.optimizer.weight_decay)
+    config.model.validate(config.parallel.tensor_model_parallel_size)
+    if config.model.seq_length != config.data.seq_length:
+        raise ConfigError(
+            f"the model's --seq-length ({config.model.seq_length}) and the data's "
+            f"({config.data.seq_length}) differ"
+        )
+    _check_frozen_checkpoint(config)
+
+
+def _check_frozen_checkpoint(config: GPTRunConfig) -> None:
+    """A checkpoint without the frozen LM resumes only with the LM's --pretrained-checkpoint."""
+    ckpt = config.checkpoint
+    tag = latest_tag(ckpt.load) if ckpt.load else None
+    if tag is None or ckpt.pretrained_checkpoint or ckpt.finetune:
+        return
+    if has_marker(os.path.join(ckpt.load, tag), FROZEN_LM_EXCLUDED):
+        raise CheckpointError(
+            f"--load {ckpt.load}: {tag} holds TempNet without the frozen LM: resume it with "
+            "--freeze-lm --pretrained-checkpoint <the LM's checkpoint> (as the run that saved it)"
+        )
+
+
+def _dtype(config: RunConfig) -> torch.dtype:
+    t = config.training
+    return torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
+
+
+def tempnet_kwargs(config: GPTRunConfig, tp_group) -> dict:
+    """``TempNetLM``'s arguments for this run."""
+    tp = config.parallel.tensor_model_parallel_size
+    t = config.tempnet
+    return dict(
+        vocab_size=config.model.vocab_size,
+        hidden_size=t.hidden_size,
+        proj_size=t.proj_size,
+        tau_min=t.tau_min,
+        tau_max=t.tau_max,
+        padded_vocab_size=config.model.padded_vocab_size(tp),
+        stop_grad=t.stop_grad,
+        tp_group=tp_group,
+    )
+
+
+class GPTTask:
+    """The GPT family's part of a run (``trainer.task.Task``)."""
+
+    evaluate_at_end = False
+
+    def prepare(self, config: GPTRunConfig, world_size: int):
+        """The tokenizer (which decides the vocabulary size); every flag checked."""
+        tokenizer = config.tokenizer.build()
+        if config.model.vocab_size is None:
+            config.model.vocab_size = tokenizer.vocab_size
+        validate_gpt(config, world_size)
+        return tokenizer
+
+    def build_data(self, config: GPTRunConfig, tokenizer) -> TaskData:
+        t = config.training
+        sizes = num_samples(t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters)
+        train, valid, _ = build_gpt_datasets(config.data, tokenizer, sizes)
+        return TaskData(train=train, valid=valid)
+
+    def build_model(self, config: GPTRunConfig, data: TaskData) -> TrainModel:
+        """The LM (and TempNet) with the same initial weights whatever the parallel layout."""
+        from megatron.core import parallel_state
+
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        if config.parallel.pipeline_model_parallel_size > 1:
+            module = self._pipeline_stage(config, tp_group)
+        else:
+            module = self._one_process_module(config, tp_group)
+        ckpt = config.checkpoint
+        frozen = config.loss.freeze_lm and ckpt.pretrained_checkpoint is not None
+        return TrainModel(
+            module,
+            self._param_groups(module, config),
+            optional={"tempnet.": "TempNet"},
+            # ZeRO-3 keeps every parameter in its partitions: those checkpoints stay whole
+            frozen_from_pretrained=frozen and config.parallel.zero_stage < 3,
+        )
+
+    def _one_process_module(self, config: GPTRunConfig, tp_group) -> TrainModule:
+        t, tp = config.training, config.parallel.tensor_model_parallel_size
+        lm = build_gpt_model(
+            config.model,
+            tensor_parallel_size=tp,
+            params_dtype=_dtype(config),
+            recompute_activations=t.recompute_activations,
+            seed=t.seed,
+        )
+        tempnet = None
+        if config.loss.uses_tempnet:
+            seed_rngs(t.seed + lm.num_specs)  # where a pipeline's last stage builds it
+            tempnet = TempNetLM(**tempnet_kwargs(config, tp_group)).to(_dtype(config))
+        seed_rngs(t.seed)
+        if config.loss.freeze_lm:
+            lm.requires_grad_(False)
+        if config.parallel.zero_stage == 3 and not config.model.untie_embeddings_and_output_weights:
+            import deepspeed
+
+            # the output layer multiplies by the embedding's (ZeRO-3-partitioned) weight outside
+            # the embedding's own forward: ZeRO-3 must gather it for the output layer too
+            deepspeed.zero.register_external_parameter(
+                lm.embedding.output_layer, lm.embedding.word_embeddings.weight
+            )
+        module = TrainModule(
+            lm, tempnet, config.loss, config.tempnet, config.model.vocab_size, tp_group
+        )
+        return module.cuda() if torch.cuda.is_available() else module
+
+    def _pipeline_stage(self, config: GPTRunConfig, tp_group):
+        from megatron_tempnet.models.gpt.pipeline import build_pipeline
+
+        t, p = config.training, config.parallel
+        return build_pipeline(
+            config.model,
+            config.loss,
+            config.tempnet,
+            tensor_parallel=p.tensor_model_parallel_size,
+            pipeline_parallel=p.pipeline_model_parallel_size,
+            dtype=_dtype(config),
+            recompute=t.recompute_activations,
+            seed=t.seed,
+            tempnet_kwargs=tempnet_kwargs(config, tp_group),
+            tp_group=tp_group,
+        )
+
+    def _param_groups(self, module, config: GPTRunConfig) -> list[ParamGroup]:
+        """The LM's groups and TempNet's (every pipeline stage has one: a placeholder where the
+        stage holds no TempNet)."""
+        opt, t = config.optimizer, config.tempnet
+        tempnets = [m for m in module.modules() if isinstance(m, TempNetLM)]
+        tempnet_params = [p for m in tempnets for p in m.parameters()]
+        if config.loss.uses_tempnet and not tempnet_params:
+            tempnet_params = [module.group_placeholder("tempnet")]
+        owned = {id(p) for p in tempnet_params}
+        lm_params = [p for p in module.parameters() if id(p) not in owned]
+        groups = decay_groups("lm", lm_params, opt.lr, opt.min_lr, opt.weight_decay)
+        if tempnet_params:
+            floor = t.lr * (opt.min_lr / opt.lr if opt.lr > 0 else 0.0)
+            groups.append(
+                ParamGroup("tempnet", tempnet_params, t.lr, floor, t.weight_decay, "tempnet")
+            )
+        return groups
+
+    def build_step(self, engine, optimizer, config: GPTRunConfig, data: TaskData):
+        """``step(batches) -> (stats, grad_norm)`` for this layout (one process or a pipeline)."""
+        from megatron.core import parallel_state
+
+        dp_group = parallel_state.get_data_parallel_group()
+        max_norm = step_max_grad_norm(config)
+        if config.parallel.pipeline_model_parallel_size == 1:
+            return partial(train_step, engine, dp_group=dp_group, max_grad_norm=max_norm)
+        from megatron_tempnet.models.gpt.pipeline import NormRecorder, pipeline_train_step
+
+        norm = None if max_norm is None else NormRecorder(optimizer, max_norm)
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        return partial(pipeline_train_step, engine, dp_group=dp_group, pp_group=pp_group, norm=norm)
+
+    def validate(self, engine, config: GPTRunConfig, data: TaskData) -> dict:
+        """The first --eval-iters global batches of the validation split, every time."""
+        from megatron.core import parallel_state
+
+        t = config.training
+        dp_group = parallel_state.get_data_parallel_group()
+        loader = ResumableLoader(
+            data.valid,
+            DataState(0, dataset_fingerprint(data.valid)),
+            t.micro_batch_size,
+            parallel_state.get_data_parallel_rank(),
+            parallel_state.get_data_parallel_world_size(),
+        )
+        world_size = torch.distributed.get_world_size()
+        micro_batches = t.eval_iters * config.gradient_accumulation_steps(world_size)
+        batches = [next(loader) for _ in range(micro_batches)]
+        if config.parallel.pipeline_model_parallel_size > 1:
+            from megatron_tempnet.models.gpt.pipeline import pipeline_evaluate
+
+            pp_group = parallel_state.get_pipeline_model_parallel_group()
+            return pipeline_evaluate(engine, batches, dp_group=dp_group, pp_group=pp_group)
+        return evaluate(engine, batches, dp_group=dp_group)

@@ -1,0 +1,226 @@
+"""What every model family builds its transformers from: megatron-core's layers on the local spec.
+
+``TransformerShape`` is a transformer stack's architecture (Megatron-LM's flag names);
+``transformer_config`` turns one into megatron-core's ``TransformerConfig`` (CPU-safe: no fused
+kernels). ``TransformerPiece`` is one ``TransformerLayer`` and ``FinalNorm`` the norm after the
+last one. Every piece of a model is built right after ``seed_rngs(base_seed + its index)``, so the
+weights do not depend on the parallel layout (on CPU), whatever stage or process builds it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megatron_tempnet.utils.cli import UserError
+from megatron_tempnet.utils.flags import option
+
+
+class ModelConfigError(UserError, ValueError):
+    """Model flags that do not fit together; names the flags and their values."""
+
+
+@dataclass
+class TransformerShape:
+    """A stack of transformer layers (the architecture flags every family shares)."""
+
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 64
+    """Width of the hidden states."""
+    num_attention_heads: int = 4
+    """Attention heads (divisible by the tensor-parallel size)."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention (default: one per attention head)."""
+    ffn_hidden_size: int | None = None
+    """Width of the MLP (default: 4 x --hidden-size)."""
+    normalization: str = option("LayerNorm", choices=("LayerNorm", "RMSNorm"))
+    """The layers' norm."""
+    swiglu: bool = False
+    """SwiGLU MLP (LLaMA) instead of GELU."""
+    openai_gelu: bool = False
+    """GELU's tanh approximation (GPT-2 as released, Hugging Face's gelu_new)."""
+    add_bias_linear: bool = option(True, name="--disable-bias-linear")
+    """The flag removes the biases of every linear layer (LLaMA); GPT-2 has them."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of the norms."""
+    init_method_std: float = 0.02
+    """Standard deviation of the initial weights."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention and MLP."""
+    attention_dropout: float = 0.0
+    """Dropout of the attention probabilities."""
+
+    def validate(self, tensor_parallel_size: int = 1) -> None:
+        """Raise ``ModelConfigError`` naming the flags when the stack cannot be built."""
+        tp = tensor_parallel_size
+        heads = self.num_attention_heads
+        groups = self.num_query_groups or heads
+        ffn = self.ffn_hidden_size or 4 * self.hidden_size
+        checks = [
+            (
+                self.hidden_size % heads == 0,
+                f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
+                f"({heads})",
+            ),
+            (
+                heads % tp == 0,
+                f"--num-attention-heads ({heads}) must be divisible by "
+                f"--tensor-model-parallel-size ({tp})",
+            ),
+            (
+                heads % groups == 0,
+                f"--num-attention-heads ({heads}) must be divisible by --num-query-groups "
+                f"({groups})",
+            ),
+            (
+                groups % tp == 0,
+                f"--num-query-groups ({groups}) must be divisible by "
+                f"--tensor-model-parallel-size ({tp})",
+            ),
+            (
+                ffn % tp == 0,
+                f"--ffn-hidden-size ({self.ffn_hidden_size}) must be divisible by "
+                f"--tensor-model-parallel-size ({tp})",
+            ),
+            (
+                self.normalization in ("LayerNorm", "RMSNorm"),
+                f"--normalization {self.normalization!r}: expected LayerNorm or RMSNorm",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ModelConfigError(message)
+
+
+def padded_vocab_size(vocab_size: int | None, divisible_by: int, tensor_parallel_size: int) -> int:
+    """The vocabulary rounded up to a multiple of ``divisible_by`` x TP (Megatron-LM's padding)."""
+    if vocab_size is None:
+        raise ModelConfigError("the vocabulary size is unknown: give a tokenizer")
+    multiple = divisible_by * tensor_parallel_size
+    return math.ceil(vocab_size / multiple) * multiple
+
+
+def transformer_config(
+    shape: TransformerShape,
+    *,
+    tensor_parallel_size: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+):
+    """megatron-core's ``TransformerConfig`` for ``shape`` (CPU-safe: no fused kernels).
+
+    The config has no pipeline split: pipeline stages are DeepSpeed's, and every layer gets its
+    global layer number directly.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    shape.validate(tensor_parallel_size)
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        ffn_hidden_size=shape.ffn_hidden_size or 4 * shape.hidden_size,
+        normalization=shape.normalization,
+        layernorm_epsilon=shape.norm_epsilon,
+        gated_linear_unit=shape.swiglu,
+        activation_func=_activation(shape),
+        add_bias_linear=shape.add_bias_linear,
+        init_method_std=shape.init_method_std,
+        hidden_dropout=shape.hidden_dropout,
+        attention_dropout=shape.attention_dropout,
+        tensor_model_parallel_size=tensor_parallel_size,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        # on CPU the full weights are drawn then split, so every TP layout starts from the same
+        # model; on GPU each rank initialises its own shard in place (Megatron-LM's behaviour)
+        use_cpu_initialization=not torch.cuda.is_available(),
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation (``--openai-gelu``)."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def _activation(shape: TransformerShape):
+    if shape.swiglu:
+        return torch.nn.functional.silu
+    return gelu_tanh if shape.openai_gelu else torch.nn.functional.gelu
+
+
+def seed_rngs(seed: int) -> None:
+    """The default generator and megatron-core's model-parallel RNG tracker, from one seed."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    seed = int(seed)  # DeepSpeed's stage offsets are numpy integers
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+class TransformerPiece(nn.Module):
+    """One megatron-core ``TransformerLayer`` (the spec's attention mask; RoPE when given).
+
+    ``layer_number`` is the global 1-based index (the config has no pipeline split, so
+    megatron-core adds no stage offset). With ``recompute`` the layer's activations are
+    recomputed in the backward pass (megatron-core's checkpoint, which restores the RNG state).
+    ``forward``: ``[s, b, h]`` -> ``[s, b, h]``.
+    """
+
+    def __init__(self, config, layer_spec, layer_number: int, rope: dict | None, recompute: bool):
+        super().__init__()
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        self.layer = TransformerLayer(config, layer_spec.submodules, layer_number=layer_number)
+        self.rotary = None
+        if rope is not None:
+            self.rotary = RotaryEmbedding(
+                kv_channels=config.kv_channels,
+                rotary_percent=1.0,
+                rotary_interleaved=config.rotary_interleaved,
+                use_cpu_initialization=config.use_cpu_initialization,
+                **rope,
+            )
+        self.recompute = recompute
+
+    def _run(self, hidden: torch.Tensor) -> torch.Tensor:
+        rotary = None if self.rotary is None else self.rotary(hidden.shape[0])
+        out, _ = self.layer(hidden, attention_mask=None, rotary_pos_emb=rotary)
+        return out
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.recompute and self.training and torch.is_grad_enabled():
+            from megatron.core import tensor_parallel
+
+            return tensor_parallel.checkpoint(self._run, False, hidden)
+        return self._run(hidden)
+
+
+class FinalNorm(nn.Module):
+    """The norm after the last layer (the spec's LayerNorm or RMSNorm implementation)."""
+
+    def __init__(self, config, layer_spec):
+        super().__init__()
+        from megatron.core.transformer.spec_utils import build_module
+
+        self.norm = build_module(
+            layer_spec.submodules.input_layernorm,
+            config=config,
+            hidden_size=config.hidden_size,
+            eps=config.layernorm_epsilon,
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)

@@ -1,0 +1,232 @@
+"""Checkpoints through the DeepSpeed engine, plus what makes a resume exact.
+
+The engine writes the module's weights and the optimizer (per model-parallel rank; ZeRO
+partitions per data-parallel rank) with ``client_state``: the iteration, the data position and the
+resolved config. Every rank adds its RNG states and its task state (``rng_rank{r}.pt``, e.g. its
+shard of CLIP's per-sample state). The learning rate is a function of the iteration, so it needs
+no state. The directory layout and the publication of ``latest`` are ``checkpoint_format``'s.
+
+A run whose frozen parameters come from ``--pretrained-checkpoint`` saves what it trains only
+(``exclude_frozen``) and marks the checkpoint ``FROZEN_LM_EXCLUDED``: a resume reads the frozen
+parameters from the pretrained checkpoint first.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+from deepspeed.pipe import PipelineModule
+
+from megatron_tempnet import compat
+from megatron_tempnet.trainer.checkpoint_format import (
+    FROZEN_LM_EXCLUDED,
+    WEIGHTS_ONLY,
+    CheckpointError,
+    has_marker,
+    latest_tag,
+    publish_latest,
+    tag_for,
+)
+from megatron_tempnet.trainer.pipeline import Pipeline
+from megatron_tempnet.utils.logging import log_rank0
+
+_FROZEN_NOTE = (
+    "This checkpoint holds the trained parameters only: the frozen ones are read again from the "
+    "run's --pretrained-checkpoint on every resume.\n"
+)
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(
+    engine,
+    save_dir: str,
+    iteration: int,
+    client_state: dict,
+    *,
+    keep_last: int = 0,
+    exclude_frozen: bool = False,
+    rank_state: dict | None = None,
+) -> None:
+    """Save on every rank (collective); publish ``latest`` when all ranks are done.
+
+    ``exclude_frozen``: leave out the parameters that do not train. ``rank_state``: this rank's
+    own state, saved with its RNG states. ``keep_last``: then delete all but the newest N.
+    """
+    tag = tag_for(iteration)
+    state = dict(client_state, iteration=iteration)
+    engine.save_checkpoint(
+        save_dir,
+        tag=tag,
+        client_state=state,
+        save_latest=False,
+        exclude_frozen_parameters=exclude_frozen,
+    )
+    rank_file = os.path.join(save_dir, tag, f"rng_rank{dist.get_rank()}.pt")
+    torch.save({**_rng_state(), "rank_state": rank_state}, rank_file)
+    if exclude_frozen and dist.get_rank() == 0:
+        with open(os.path.join(save_dir, tag, FROZEN_LM_EXCLUDED), "w") as f:
+            f.write(_FROZEN_NOTE)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        publish_latest(save_dir, tag)
+        if keep_last:
+            _prune(save_dir, keep_last)
+    dist.barrier()
+    log_rank0("saved checkpoint %s", os.path.join(save_dir, tag))
+
+
+def _prune(save_dir: str, keep_last: int) -> None:
+    tags = sorted(d for d in os.listdir(save_dir) if d.startswith("iter_"))
+    for old in tags[:-keep_last]:
+        shutil.rmtree(os.path.join(save_dir, old), ignore_errors=True)
+
+
+def load_checkpoint(
+    engine,
+    load_dir: str,
+    *,
+    weights_only: bool,
+    load_optimizer: bool,
+    optional: dict[str, str] | None = None,
+    flag: str | None = None,
+    frozen_loaded: bool = False,
+) -> dict | None:
+    """Restore the newest checkpoint; returns its client state (None: nothing to resume).
+
+    ``weights_only`` (--finetune, --pretrained-checkpoint) loads the model and nothing else: the
+    caller starts at iteration 0 with a fresh data position and optimizer; the parameters under
+    an ``optional`` prefix may be missing and then keep their initialisation. ``flag`` names the
+    directory's flag in errors. ``frozen_loaded``: the frozen parameters are in place already,
+    so a checkpoint without them (``FROZEN_LM_EXCLUDED``) may be resumed. A checkpoint marked
+    ``WEIGHTS_ONLY`` (a conversion) always loads as weights only.
+    """
+    source = f"{flag or ('--finetune --load' if weights_only else '--load')} {load_dir}"
+    optional = optional or {}
+    tag = latest_tag(load_dir)
+    if tag is None:
+        if weights_only:
+            raise CheckpointError(f"{source}: no checkpoint there (no 'latest')")
+        log_rank0("no checkpoint in %s: starting from scratch", load_dir)
+        return None
+    directory = os.path.join(load_dir, tag)
+    if not weights_only and has_marker(directory, WEIGHTS_ONLY):
+        log_rank0(
+            "%s: %s holds weights only (no training state): starting at iteration 0 from its "
+            "weights, as with --finetune",
+            source,
+            tag,
+        )
+        weights_only = True
+    _check_layout(engine, directory, source)
+    frozen_excluded = has_marker(directory, FROZEN_LM_EXCLUDED)
+    if frozen_excluded and not frozen_loaded:
+        raise CheckpointError(
+            f"{source}: {tag} holds the trained parameters without the frozen ones: resume it "
+            "with the --pretrained-checkpoint of the run that saved it"
+        )
+    if weights_only:
+        _check_weights_source(engine, directory, source, optional)
+    if isinstance(engine.module, Pipeline):
+        engine.module.weights_only_load = weights_only
+    path, client_state = engine.load_checkpoint(
+        load_dir,
+        tag=tag,
+        # a weights-only checkpoint may lack the optional parts, a frozen-LM one the frozen ones
+        load_module_strict=not (weights_only or frozen_excluded),
+        load_module_only=weights_only,
+        load_optimizer_states=load_optimizer and not weights_only,
+        load_lr_scheduler_states=False,
+    )
+    if path is None:
+        raise CheckpointError(f"{source}: checkpoint {tag} could not be read")
+    if weights_only:
+        log_rank0("loaded weights from %s (--finetune)", path)
+        return None
+    rng_file = os.path.join(directory, f"rng_rank{dist.get_rank()}.pt")
+    if os.path.isfile(rng_file):
+        rank_file = torch.load(rng_file, weights_only=False)
+        _set_rng_state(rank_file)
+        client_state["rank_state"] = rank_file.get("rank_state")
+    log_rank0("resumed from %s at iteration %d", path, client_state["iteration"])
+    return client_state
+
+
+def _check_layout(engine, directory: str, source: str) -> None:
+    """A pipeline checkpoint (one file per layer) loads into a pipeline run only, and back."""
+    saved_pipeline = bool(glob.glob(os.path.join(directory, "layer_*-model_states.pt")))
+    running_pipeline = isinstance(engine.module, PipelineModule)
+    if saved_pipeline != running_pipeline:
+        saved = "with" if saved_pipeline else "without"
+        flag = "1" if not running_pipeline else "> 1"
+        raise CheckpointError(
+            f"{source}: {os.path.basename(directory)} was saved {saved} pipeline parallelism and "
+            f"this run has --pipeline-model-parallel-size {flag}: load it with the layout it was "
+            "saved with"
+        )
+
+
+def _is_optional(name: str, optional: dict[str, str]) -> bool:
+    return any(name.startswith(prefix) for prefix in optional)
+
+
+def _check_weights_source(engine, directory: str, source: str, optional: dict[str, str]) -> None:
+    """A weights-only load may start the optional parts fresh, never the rest of the model."""
+    from megatron.core import parallel_state
+
+    if isinstance(engine.module, PipelineModule):
+        return _check_pipeline_source(engine.module, directory, source, optional)
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    path = os.path.join(directory, f"mp_rank_{rank:02d}_model_states.pt")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{source}: {path} is missing")
+    saved = torch.load(path, map_location="cpu", weights_only=False).get("module") or {}
+    if not saved:  # ZeRO-3 keeps the weights in its partition files: nothing to compare here
+        return
+    missing = sorted(set(engine.module.state_dict()) - set(saved))
+    required = [k for k in missing if not _is_optional(k, optional)]
+    if required:
+        raise CheckpointError(
+            f"{source}: {path} lacks {len(required)} of the model's tensors (e.g. "
+            f"{required[0]}): a checkpoint of another architecture?"
+        )
+    for prefix, what in optional.items():
+        if any(k.startswith(prefix) for k in missing):
+            log_rank0("%s starts from its initialisation: %s has no %s", what, path, what)
+
+
+def _check_pipeline_source(module, directory: str, source: str, optional: dict[str, str]) -> None:
+    """Every piece of this stage but the optional ones has its layer file in the checkpoint."""
+    first = compat.pipeline_first_index(module)
+    for local, piece in enumerate(compat.pipeline_pieces(module)):
+        if not hasattr(piece, "state_dict"):
+            continue
+        names = [name for name, _ in piece.named_parameters()]
+        if names and all(_is_optional(n, optional) for n in names):
+            continue
+        if not module.ckpt_layer_path_list(directory, local):
+            raise CheckpointError(
+                f"{source}: {os.path.basename(directory)} has no file for pipeline layer "
+                f"{local + first}: a checkpoint of another --pipeline-model-parallel-size or "
+                "architecture?"
+            )

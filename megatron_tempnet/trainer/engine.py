@@ -1,0 +1,170 @@
+"""Process groups, the optimizer, the DeepSpeed engine and the learning-rate schedule of a run.
+
+The task's module is one ``nn.Module`` (or a pipeline stage) that DeepSpeed wraps, so ZeRO shards
+and checkpoints all of it. The optimizer is AdamW over the task's parameter groups, each with its
+own peak learning rate, floor and weight decay; every group follows linear warmup then cosine
+decay, scaled to its own peak. The engine knows nothing of what the model is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_tempnet import compat
+from megatron_tempnet.distributed.mpu import MegatronMPU
+from megatron_tempnet.trainer.config import ConfigError, OptimizerConfig, RunConfig
+from megatron_tempnet.trainer.step import deepspeed_clips_grad_norm
+from megatron_tempnet.trainer.task import ParamGroup, TrainModel
+
+
+def init_process_groups(config: RunConfig) -> None:
+    """torch.distributed (gloo on CPU, NCCL on GPU) and megatron-core's TP/PP/DP groups."""
+    import deepspeed
+    from megatron.core import parallel_state
+
+    compat.check_upstream()
+    compat.apply_cpu_support()
+    if torch.cuda.is_available():  # before NCCL's first use
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    p = config.parallel
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+    )
+
+
+def decay_groups(
+    name: str, params, lr: float, min_lr: float, weight_decay: float, schedule: str | None = None
+) -> list[ParamGroup]:
+    """``name`` (matrices, with weight decay) and ``{name}_no_decay`` (biases and norms), the
+    trainable parameters only; empty groups are left out."""
+    params = [p for p in params if p.requires_grad]
+    split = [
+        (name, [p for p in params if p.ndim >= 2], weight_decay),
+        (f"{name}_no_decay", [p for p in params if p.ndim < 2], 0.0),
+    ]
+    return [
+        ParamGroup(group, chosen, lr, min_lr, decay, schedule or name)
+        for group, chosen, decay in split
+        if chosen
+    ]
+
+
+def deepspeed_config(config: RunConfig, world_size: int) -> dict:
+    """The DeepSpeed JSON for this run; a --deepspeed-config file is the base, flags win."""
+    base: dict = {}
+    if config.parallel.deepspeed_config:
+        try:
+            with open(config.parallel.deepspeed_config) as f:
+                base = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(
+                f"--deepspeed-config {config.parallel.deepspeed_config!r}: {e}"
+            ) from None
+    t = config.training
+    zero = dict(base.get("zero_optimization", {}), stage=config.parallel.zero_stage)
+    deepspeed_clips = deepspeed_clips_grad_norm(config)
+    base.update(
+        train_micro_batch_size_per_gpu=t.micro_batch_size,
+        gradient_accumulation_steps=config.gradient_accumulation_steps(world_size),
+        train_batch_size=t.global_batch_size,
+        zero_optimization=zero,
+        # otherwise the training step clips (and measures the norm) itself
+        gradient_clipping=config.optimizer.clip_grad if deepspeed_clips else 0.0,
+        zero_allow_untested_optimizer=True,  # our AdamW, with its parameter groups
+        steps_per_print=base.get("steps_per_print", 10**9),  # we log ourselves
+    )
+    if t.bf16:
+        base["bf16"] = {"enabled": True}
+    if t.fp16:
+        if not torch.cuda.is_available():
+            raise ConfigError("--fp16 needs a GPU (DeepSpeed has no fp16 on CPU): use --bf16")
+        base["fp16"] = dict(base.get("fp16", {}), enabled=True)
+    return base
+
+
+def build_optimizer(groups: list[ParamGroup], opt: OptimizerConfig) -> torch.optim.AdamW:
+    """AdamW over the groups; ``max_lr``/``min_lr``/``schedule`` drive each group's schedule."""
+    if not groups:
+        raise ConfigError("nothing to train: every parameter is frozen")
+    param_groups = [
+        {
+            "name": g.name,
+            "params": g.params,
+            "lr": g.lr,
+            "max_lr": g.lr,
+            "min_lr": g.min_lr,
+            "weight_decay": g.weight_decay,
+            "schedule": g.schedule,
+        }
+        for g in groups
+    ]
+    return torch.optim.AdamW(param_groups, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
+
+
+def build_engine(model: TrainModel, config: RunConfig, world_size: int):
+    """``deepspeed.initialize`` over megatron-core's groups; returns (engine, optimizer).
+
+    A pipeline stage brings DeepSpeed's own grid (the same groups as megatron-core's); a
+    ``forward_only`` pipeline runs backward on its last stage only.
+    """
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    optimizer = build_optimizer(model.param_groups, config.optimizer)
+    ds_config = deepspeed_config(config, world_size)
+    module = model.module
+    if isinstance(module, PipelineModule) and getattr(module, "forward_only", False):
+        mpu = module.mpu()  # what deepspeed.initialize does for a PipelineModule
+        engine = compat.last_stage_backward_engine()(
+            args=None,
+            model=module,
+            optimizer=optimizer,
+            mpu=mpu,
+            config=ds_config,
+            config_class=DeepSpeedConfig(ds_config, mpu),
+        )
+        return engine, engine.optimizer
+    mpu = None if isinstance(module, PipelineModule) else MegatronMPU()
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=module, optimizer=optimizer, config=ds_config, mpu=mpu
+    )
+    return engine, optimizer
+
+
+def learning_rate(iteration: int, max_lr: float, min_lr: float, opt: OptimizerConfig) -> float:
+    """Linear warmup then cosine decay to ``min_lr`` over ``lr_decay_iters`` (then flat)."""
+    decay = opt.lr_decay_iters
+    warmup = (
+        round(opt.lr_warmup_fraction * decay)
+        if opt.lr_warmup_fraction is not None
+        else opt.lr_warmup_iters
+    )
+    if warmup and iteration < warmup:
+        return max_lr * (iteration + 1) / warmup
+    if iteration >= decay:
+        return min_lr
+    progress = (iteration - warmup) / max(decay - warmup, 1)
+    return min_lr + 0.5 * (max_lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def set_learning_rates(optimizer, iteration: int, opt: OptimizerConfig) -> dict[str, float]:
+    """Set every group's lr for ``iteration`` (0-based); returns one lr per schedule: the first
+    group's as ``lr``, every other schedule's as ``{schedule}_lr`` (``tempnet_lr``)."""
+    rates: dict[str, float] = {}
+    first = None
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(iteration, group["max_lr"], group["min_lr"], opt)
+        # checkpoints written before groups had a schedule name them by the group
+        schedule = group.get("schedule") or group.get("name", "").removesuffix("_no_decay")
+        first = first or schedule
+        rates.setdefault("lr" if schedule == first else f"{schedule}_lr", group["lr"])
+    return rates

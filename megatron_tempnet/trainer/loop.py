@@ -1,0 +1,185 @@
+"""The pretraining run, top to bottom: set up, resume, iterate, evaluate, log, save.
+
+One loop for every model family: what differs (data, module, step, validation, per-rank state)
+comes from a ``Task`` (``trainer.task``), and everything it builds is returned to the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megatron_tempnet.data.loader import DataState, ResumableLoader, dataset_fingerprint
+from megatron_tempnet.distributed.launch import launch_environment
+from megatron_tempnet.trainer.checkpoint import load_checkpoint, save_checkpoint
+from megatron_tempnet.trainer.checkpoint_format import CONFIG, latest_tag
+from megatron_tempnet.trainer.config import RunConfig
+from megatron_tempnet.trainer.engine import build_engine, init_process_groups, set_learning_rates
+from megatron_tempnet.trainer.metrics import RunLogger, memory_mb
+from megatron_tempnet.trainer.preemption import EXIT_REQUEUE, StopRequests
+from megatron_tempnet.trainer.step import check_finite, compute_device
+from megatron_tempnet.trainer.task import Task, TaskData, TrainModel
+from megatron_tempnet.utils.logging import log_rank0
+
+
+@dataclass
+class RunResult:
+    metrics: dict
+    """The last logged metrics."""
+    iteration: int
+    """The last iteration run."""
+    stopped: str | None = None
+    """Why the run stopped early at a checkpoint (a signal, the time budget), else None."""
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_REQUEUE if self.stopped else 0
+
+
+def pretrain(config: RunConfig, task: Task) -> RunResult:
+    """Train as configured, or until a stop request (a checkpoint is written, then it returns)."""
+    requests = StopRequests(config.checkpoint.exit_duration_in_mins)
+    os.environ.update(launch_environment(os.environ))  # torchrun, srun, or a lone process
+    world_size = int(os.environ["WORLD_SIZE"])
+    inputs = task.prepare(config, world_size)  # every flag checked before anything is built
+
+    init_process_groups(config)
+    from megatron.core import parallel_state
+
+    data = task.build_data(config, inputs)
+    model = task.build_model(config, data)
+    engine, optimizer = build_engine(model, config, world_size)
+    start, data_state = _resume(engine, config, data, model)
+    _save_config(config)
+    t, ckpt = config.training, config.checkpoint
+    loader = ResumableLoader(
+        data.train,
+        data_state,
+        t.micro_batch_size,
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_world_size(),
+    )
+    gas = config.gradient_accumulation_steps(world_size)
+    run_log = RunLogger(config.logging)
+    step = task.build_step(engine, optimizer, config, data)
+    if ckpt.save:  # without somewhere to save, a signal keeps its usual meaning
+        requests.install()
+    result = RunResult({}, start)
+    tic, counted = time.perf_counter(), 0.0
+    for iteration in range(start + 1, t.train_iters + 1):
+        result.iteration = iteration
+        rates = set_learning_rates(optimizer, iteration - 1, config.optimizer)
+        stats, grad_norm = step([next(loader) for _ in range(gas)])
+        check_finite(stats.metrics, grad_norm, iteration)
+        counted += stats.count
+        if iteration % config.logging.log_interval == 0 or iteration == t.train_iters:
+            throughput = counted / max(time.perf_counter() - tic, 1e-9)
+            result.metrics = {
+                **stats.metrics,
+                **rates,
+                "grad_norm": grad_norm,
+                f"{stats.unit}_per_sec": throughput,
+                "memory_mb": memory_mb(),
+                "consumed_samples": loader.state().consumed_samples,
+            }
+            run_log.log(iteration, result.metrics, stats.tau_sample)
+            tic, counted = time.perf_counter(), 0.0
+        if data.valid is not None and _should_validate(iteration, config, task):
+            run_log.log(iteration, task.validate(engine, config, data))
+        if ckpt.save and iteration < t.train_iters:  # collective: all ranks stop together
+            result.stopped = requests.agreed(compute_device())
+        if ckpt.save and (result.stopped or _should_save(iteration, config)):
+            _save(engine, config, iteration, loader, data, model)
+        if result.stopped:
+            log_rank0(
+                "%s: stopped after iteration %d at a checkpoint; exit status %d asks for a requeue",
+                result.stopped,
+                iteration,
+                EXIT_REQUEUE,
+            )
+            break
+        if ckpt.exit_interval and iteration == ckpt.exit_interval:
+            log_rank0("--exit-interval %d reached: exiting", iteration)
+            break
+    if not result.stopped:
+        # a stopped run keeps ignoring SIGTERM until it exits: srun --kill-on-bad-exit sends it
+        # to the ranks still shutting down when the first one exits with EXIT_REQUEUE
+        requests.restore()
+    run_log.close()
+    dist.barrier()
+    return result
+
+
+def _should_validate(iteration: int, config: RunConfig, task: Task) -> bool:
+    t = config.training
+    if task.evaluate_at_end and iteration == t.train_iters:
+        return True
+    return bool(t.eval_interval and iteration % t.eval_interval == 0)
+
+
+def _should_save(iteration: int, config: RunConfig) -> bool:
+    ckpt, end = config.checkpoint, config.training.train_iters
+    periodic = ckpt.save_interval and iteration % ckpt.save_interval == 0
+    return bool(periodic or iteration == end or iteration == ckpt.exit_interval)
+
+
+def _resume(engine, config: RunConfig, data: TaskData, model: TrainModel) -> tuple[int, DataState]:
+    """The iteration and data position to start from (0 and the start without --load)."""
+    ckpt = config.checkpoint
+    start, data_state = 0, DataState(0, dataset_fingerprint(data.train))
+    fresh = ckpt.load and latest_tag(ckpt.load) is None
+    if ckpt.pretrained_checkpoint and (fresh or model.frozen_from_pretrained):
+        # a fresh run starts from these weights; a frozen-LM run re-reads its LM every time
+        log_rank0(
+            "%s: loading --pretrained-checkpoint %s",
+            "no checkpoint in --load yet" if fresh else "the frozen LM",
+            ckpt.pretrained_checkpoint,
+        )
+        load_checkpoint(
+            engine,
+            ckpt.pretrained_checkpoint,
+            weights_only=True,
+            load_optimizer=False,
+            optional=model.optional,
+            flag="--pretrained-checkpoint",
+        )
+    if ckpt.load and not (fresh and ckpt.pretrained_checkpoint):
+        client = load_checkpoint(
+            engine,
+            ckpt.load,
+            weights_only=ckpt.finetune,
+            load_optimizer=not ckpt.no_load_optim,
+            optional=model.optional,
+            frozen_loaded=model.frozen_from_pretrained,
+        )
+        if client is not None:
+            start = int(client["iteration"])
+            data_state = DataState.from_state_dict(client["data"], data.train)
+            if data.rank_state is not None:
+                data.rank_state.load_state_dict(client.get("rank_state"))
+    return start, data_state
+
+
+def _save(engine, config: RunConfig, iteration: int, loader, data: TaskData, model: TrainModel):
+    client = {"data": loader.state().state_dict(), "config": json.loads(config.to_json())}
+    save_checkpoint(
+        engine,
+        config.checkpoint.save,
+        iteration,
+        client,
+        keep_last=config.checkpoint.keep_last,
+        exclude_frozen=model.frozen_from_pretrained,
+        rank_state=None if data.rank_state is None else data.rank_state.state_dict(),
+    )
+
+
+def _save_config(config: RunConfig) -> None:
+    """The resolved config beside the checkpoints (and inside each of them)."""
+    if config.checkpoint.save and dist.get_rank() == 0:
+        os.makedirs(config.checkpoint.save, exist_ok=True)
+        with open(os.path.join(config.checkpoint.save, CONFIG), "w") as f:
+            f.write(config.to_json())

@@ -1,0 +1,74 @@
+"""Pipeline stages as the trainer runs them: DeepSpeed's ``PipelineModule`` with three additions.
+
+- **Optional last piece.** A weights-only load (--finetune, --pretrained-checkpoint) may find no
+  layer file for the stage's last piece when all its parameters are under an ``optional`` prefix
+  (TempNet on an LM-only checkpoint); that piece keeps its initialisation.
+- **Forward-only stages.** With ``forward_only`` (a frozen model before a trained last piece) the
+  activations a stage receives are detached, and the engine runs backward on the last stage only
+  (``compat.last_stage_backward_engine``).
+- **Matching parameter groups.** DeepSpeed reduces the gradient norm over all stages once per
+  optimizer group, so every stage needs every group: ``group_placeholder`` gives a stage that has
+  no parameter of a group a zero one that never gets a gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_tempnet import compat
+from megatron_tempnet.utils.logging import get_logger
+
+
+class Pipeline(compat.pipeline_module_base()):
+    """``PipelineModule(layers, ...)`` plus ``optional`` ({state-dict prefix: what it is}) and
+    ``forward_only``."""
+
+    def __init__(
+        self, *args, optional: dict[str, str] | None = None, forward_only: bool = False, **kwargs
+    ):
+        super().__init__(*args, **kwargs)
+        self.optional = dict(optional or {})
+        self.forward_only = forward_only
+        self.weights_only_load = False  # set by the trainer before a load
+
+    def forward(self, forward_input):
+        if self.forward_only:  # a received activation asks for gradients that nobody will use
+            forward_input = _detached(forward_input)
+        return super().forward(forward_input)
+
+    def group_placeholder(self, name: str) -> nn.Parameter:
+        """A registered zero parameter standing in for group ``name`` on this stage."""
+        device = next(self.parameters()).device
+        placeholder = nn.Parameter(torch.zeros(1, device=device))
+        self.register_parameter(f"{name}_group_placeholder", placeholder)
+        return placeholder
+
+    def _optional_last_piece(self) -> str | None:
+        """What the last piece is, when all its parameters are optional; else None."""
+        pieces = compat.pipeline_pieces(self)
+        if not pieces or not isinstance(pieces[-1], nn.Module):
+            return None
+        names = [n for n, _ in pieces[-1].named_parameters()]
+        for prefix, what in self.optional.items():
+            if names and all(n.startswith(prefix) for n in names):
+                return what
+        return None
+
+    def skip_last_piece_on_load(self, load_dir: str) -> bool:
+        """A weights-only load from a checkpoint without the (optional) last piece."""
+        what = self._optional_last_piece() if self.weights_only_load else None
+        last = len(compat.pipeline_pieces(self)) - 1
+        if what is None or self.ckpt_layer_path_list(load_dir, last):
+            return False
+        if compat.is_stage_writer(self):  # the last stage's first rank: not rank 0
+            get_logger().info(
+                "%s starts from its initialisation: %s has no %s", what, load_dir, what
+            )
+        return True
+
+
+def _detached(x):
+    if isinstance(x, tuple):
+        return tuple(t.detach() if torch.is_tensor(t) else t for t in x)
+    return x.detach()

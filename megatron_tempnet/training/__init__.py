@@ -1,1 +1,0 @@
-"""Training: configuration, the objective, engine set-up, the loop, checkpoints, logging."""
