@@ -5,8 +5,8 @@ are "random" (followed by a uniformly random token). Setting (iii): a tiny GPT i
 cross-entropy and frozen, then a TempNet is learned with the KL-DRO loss for each of two rho
 values, and tau is read per context class.
 
-What the math predicts (DESIGN.md §2, the paper's eq. 8): df/dtau = rho - KL(softmax(L / tau) ||
-uniform), so the optimal tau is where the tempered distribution sits at KL = rho from uniform.
+What the math predicts (docs/design.md §2, the paper's eq. 8): df/dtau = rho - KL(softmax(L / tau)
+|| uniform), so the optimal tau is where the tempered distribution sits at KL = rho from uniform.
 It grows with the spread of the logits: a confident (determined) context needs a large tau to
 come down to KL = rho, an uncertain one (near-uniform logits, KL < rho already) gets tau near
 tau0; and a larger rho lowers tau. The test checks both, plus that TempNet tracks the per-token

@@ -57,7 +57,7 @@ def setup(tmp_path_factory):
 
 
 def reference_tau(logits: torch.Tensor, tempnet_dir: str, tau_max: float | None = None):
-    """DESIGN.md §2 in float64 from the exported file: logits [n, >= V] -> tau [n]."""
+    """docs/design.md §2 in float64 from the exported file: logits [n, >= V] -> tau [n]."""
     from safetensors.torch import load_file
 
     w = {k: v.double() for k, v in load_file(os.path.join(tempnet_dir, "tempnet.safetensors"))

@@ -64,7 +64,11 @@ def _clip_data(directory) -> dict:
     """The digits pairs and a word-level SentencePiece tokenizer for run_clip_tempnet.sh."""
     import sentencepiece as spm
 
-    from megatron_tempnet.models.clip.data.digits import CAPTION_TEMPLATES, DIGIT_NAMES, write_digits_dataset
+    from megatron_tempnet.models.clip.data.digits import (
+        CAPTION_TEMPLATES,
+        DIGIT_NAMES,
+        write_digits_dataset,
+    )
 
     paths = write_digits_dataset(str(directory / "digits"))
     captions = [t.format(name=n, digit=i) for t in CAPTION_TEMPLATES

@@ -1,5 +1,5 @@
-"""The contrastive losses against float64 references written with plain loops from DESIGN.md §2:
-per-step values, the moving-average state across steps, the tau-gradient estimate, gradients."""
+"""The contrastive losses against float64 references written with plain loops from docs/design.md
+§2: per-step values, the moving-average state across steps, the tau-gradient estimate, gradients."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from megatron_tempnet.data.gpt_data import (
     parse_blend,
     parse_split,
 )
+from megatron_tempnet.data.indexed import DatasetError
 from megatron_tempnet.data.loader import (
     DataConfigError,
     DataState,
@@ -24,7 +25,6 @@ from megatron_tempnet.data.loader import (
     ResumableLoader,
     dataset_fingerprint,
 )
-from megatron_tempnet.data.indexed import DatasetError
 from tests.helpers.corpus import blend_config, blend_corpus
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,4 +1,4 @@
-"""TempNetLM on one rank: the DESIGN.md §2 formula, init, stop-gradient, range, checkpoints."""
+"""TempNetLM on one rank: the docs/design.md §2 formula, init, stop-gradient, range, checkpoints."""
 
 import math
 
@@ -9,7 +9,7 @@ from megatron_tempnet.tempnet import TempNetLM
 
 
 def _reference_tau(net: TempNetLM, logits: torch.Tensor, tau_max: float) -> torch.Tensor:
-    """DESIGN.md §2 written out in float64 from the module's parameters."""
+    """docs/design.md §2 written out in float64 from the module's parameters."""
     sd = {k: v.double() for k, v in net.state_dict().items()}
     L = logits.double()[..., : net.vocab_size]
     Lbar = L / L.norm(dim=-1, keepdim=True)

@@ -1,4 +1,4 @@
-"""TempNetCLIP: DESIGN.md §2's formula in float64, init, range, stop-gradient, prototypes."""
+"""TempNetCLIP: docs/design.md §2's formula in float64, init, range, stop-gradient, prototypes."""
 
 from __future__ import annotations
 

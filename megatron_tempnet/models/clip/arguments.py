@@ -7,7 +7,6 @@ import argparse
 from megatron_tempnet.data.tokenizers import TokenizerConfig
 from megatron_tempnet.models.clip.config import (
     CLIP_PRESETS,
-    CLIP_TEMPNET_FLAGS_EXCLUDED,
     CLIPLossConfig,
     CLIPModelConfig,
     CLIPTempNetConfig,
@@ -32,7 +31,7 @@ def build_clip_parser() -> argparse.ArgumentParser:
     add_flags(g, CLIPEvalConfig)
     add_flags(p, TokenizerConfig, "tokenizer")
     add_flags(p, CLIPLossConfig, "loss")
-    add_flags(p, CLIPTempNetConfig, "TempNet", exclude=CLIP_TEMPNET_FLAGS_EXCLUDED)
+    add_flags(p, CLIPTempNetConfig, "TempNet")
     add_run_flags(p, optimizer=CLIPOptimizerConfig)
     return p
 

@@ -180,6 +180,10 @@ class CLIPLossConfig:
 class CLIPTempNetConfig(TempNetConfig):
     """TempNet for CLIP, and the temperature range and rho of isogclr (the paper's Table 6)."""
 
+    hidden_size: int = derived(256)
+    """d1: the model's --embed-dim (the prototypes live in the embedding space)."""
+    stop_grad: bool = derived(True)
+    """CLIP's TempNet always reads the detached embedding."""
     proj_size: int = option(256, name="--tempnet-proj-size")
     """d2: the prototypes, initialised from as many training pairs of the other modality."""
     tau_min: float = option(0.001, name="--tempnet-tau-min")
@@ -189,10 +193,6 @@ class CLIPTempNetConfig(TempNetConfig):
     rho: float = option(8.0, name="--tempnet-rho")
     """The KL-DRO radius (the paper's range for CLIP: 7-10); rho >= log(global batch - 1) drives
     every tau to --tempnet-tau-min."""
-
-
-CLIP_TEMPNET_FLAGS_EXCLUDED = ("hidden_size", "stop_grad")
-"""CLIP's TempNet is as wide as the embedding and always reads it detached."""
 
 
 def validate_clip_objective(loss: CLIPLossConfig, tempnet: CLIPTempNetConfig) -> None:

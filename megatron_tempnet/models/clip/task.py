@@ -135,6 +135,7 @@ class CLIPTask:
         m, d = config.model, config.data
         if m.vocab_size is None:
             m.vocab_size = tokenizer.vocab_size
+        config.tempnet.hidden_size = m.embed_dim
         d.image_size, d.image_channels, d.context_length = (
             m.image_size,
             m.image_channels,

@@ -51,7 +51,7 @@ class CLIPTemperature(nn.Module):
             self.tau_heads = nn.ModuleDict({side: TaUHead(embed_dim) for side in SIDES})
         if loss.uses_tempnet:
             kw = dict(
-                hidden_size=embed_dim,
+                hidden_size=embed_dim,  # the prototypes live in the embedding space
                 proj_size=tempnet.proj_size,
                 tau_min=tempnet.tau_min,
                 tau_max=tempnet.tau_max,

@@ -1,0 +1,192 @@
+"""The package's shape: no import cycles, no upward imports, every flag of both entry points with
+help text and its Megatron-LM name, and no reference to a design document outside the repository."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import megatron_tempnet
+from tests.helpers.imports import cycles, import_graph, package_graph
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGE = os.path.dirname(megatron_tempnet.__file__)
+
+# what each part of the library may import (besides itself): lower layers only
+ALLOWED = {
+    "utils": set(),
+    "compat": {"utils"},
+    "distributed": {"utils"},
+    "data": {"utils"},
+    "losses": {"distributed", "utils"},
+    "tempnet": {"distributed", "utils"},
+    "trainer": {"compat", "data", "distributed", "utils"},
+    "models": {"compat", "data", "distributed", "losses", "tempnet", "trainer", "utils"},
+    "inference": {
+        "compat",
+        "data",
+        "distributed",
+        "losses",
+        "models",
+        "tempnet",
+        "trainer",
+        "utils",
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return import_graph(PACKAGE, "megatron_tempnet")
+
+
+def _part(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def test_no_import_cycles_between_modules_or_packages(graph):
+    assert len(graph) > 50  # the whole package was read
+    assert cycles(graph) == []
+    for depth in (2, 3):  # megatron_tempnet.trainer, megatron_tempnet.models.gpt, ...
+        assert cycles(package_graph(graph, depth)) == [], depth
+
+
+def test_the_cycle_check_finds_a_cycle(tmp_path):
+    """The check above can fail: a package whose modules import each other (one of them inside
+    a function, where a cycle usually hides) is reported."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from pkg.sub.c import g\n")
+    (pkg / "sub" / "c.py").write_text("import pkg.a\n")
+    (pkg / "d.py").write_text("from pkg import a\n")
+    g = import_graph(str(pkg), "pkg")
+    assert g["pkg.d"] == {"pkg.a"}
+    assert cycles(g) == [["pkg.a", "pkg.sub.b", "pkg.sub.c"]]
+    assert cycles(package_graph(g, 2)) == [["pkg.a", "pkg.sub"]]
+
+
+def test_no_upward_imports(graph):
+    """The trainer knows nothing of the model families, TempNet or inference; the families do
+    not import each other; the library never imports the entry points, tools or tests."""
+    wrong = []
+    for module, targets in graph.items():
+        part = _part(module)
+        for target in targets:
+            other = _part(target)
+            if other != part and part in ALLOWED and other not in ALLOWED[part]:
+                wrong.append(f"{module} -> {target}")
+            families = {_family(module), _family(target)}
+            if part == other == "models" and families == {"gpt", "clip"}:
+                wrong.append(f"{module} -> {target}")
+    assert wrong == []
+    sources = [os.path.join(d, f) for d, _, fs in os.walk(PACKAGE) for f in fs if f.endswith(".py")]
+    pattern = re.compile(r"^\s*(from|import)\s+(pretrain_gpt|pretrain_clip|tools|tests)\b", re.M)
+    assert [p for p in sources if pattern.search(open(p).read())] == []
+
+
+def _family(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "models" else None
+
+
+def _parsers():
+    from megatron_tempnet.models.clip.arguments import build_clip_parser
+    from megatron_tempnet.models.gpt.arguments import build_parser
+
+    return {"pretrain_gpt.py": build_parser(), "pretrain_clip.py": build_clip_parser()}
+
+
+def _options(parser) -> dict[str, str]:
+    return {
+        flag: action.help or ""
+        for action in parser._actions
+        for flag in action.option_strings
+        if flag not in ("-h", "--help")
+    }
+
+
+GPT_FLAGS = """adam-beta1 adam-beta2 adam-eps attention-dropout bf16 clip-grad data-cache-path
+data-path deepspeed-config disable-bias-linear eod-mask-loss eval-interval eval-iters
+exit-duration-in-mins exit-interval ffn-hidden-size finetune fixed-tau fp16 freeze-lm
+global-batch-size hidden-dropout hidden-size init-method-std keep-last load log-interval loss lr
+lr-decay-iters lr-warmup-fraction lr-warmup-iters make-vocab-size-divisible-by
+max-position-embeddings merge-file metrics-file micro-batch-size min-lr model no-load-optim
+no-tempnet-stop-grad norm-epsilon normalization num-attention-heads num-layers num-query-groups
+openai-gelu pipeline-model-parallel-size position-embedding-type pretrained-checkpoint
+recompute-activations reset-attention-mask reset-position-ids rotary-base save save-interval seed
+seq-length split swiglu tau-source tempnet-hidden-size tempnet-lr tempnet-proj-size tempnet-rho
+tempnet-tau-max tempnet-tau-min tempnet-weight-decay tensor-model-parallel-size tensorboard-dir
+tokenizer-model tokenizer-type train-iters untie-embeddings-and-output-weights vocab-file
+weight-decay zero-stage"""
+CLIP_FLAGS = """adam-beta1 adam-beta2 adam-eps bf16 caption-key caption-noise clip-grad clip-loss
+context-length deepspeed-config embed-dim eval-batch-size eval-interval eval-iters
+exit-duration-in-mins exit-interval finetune fp16 global-batch-size image-augment image-channels
+image-key image-mean image-size image-std init-method-std isogclr-tau-lr keep-last label-key load
+log-interval lr lr-decay-iters lr-warmup-fraction lr-warmup-iters make-vocab-size-divisible-by
+merge-file metrics-file micro-batch-size min-lr model no-load-optim ood-data patch-size
+pipeline-model-parallel-size pretrained-checkpoint recompute-activations save save-interval seed
+skip-bad-samples sogclr-gamma tau-init tempnet-lr tempnet-proj-size tempnet-rho tempnet-tau-max
+tempnet-tau-min tempnet-weight-decay tensor-model-parallel-size tensorboard-dir text-heads
+text-hidden-size text-layers tokenizer-model tokenizer-type train-data train-iters valid-data
+vision-heads vision-hidden-size vision-layers vocab-file weight-decay zero-stage
+zeroshot-templates"""
+
+
+def test_every_flag_has_help_and_keeps_its_name():
+    expected = {"pretrain_gpt.py": GPT_FLAGS, "pretrain_clip.py": CLIP_FLAGS}
+    for script, parser in _parsers().items():
+        options = _options(parser)
+        assert sorted(options) == sorted("--" + f for f in expected[script].split()), script
+        silent = [flag for flag, text in options.items() if len(text.split()) < 2]
+        assert silent == [], f"{script}: flags without help text"
+
+
+# sbatch's and srun's options in the example scripts
+LAUNCHER_OPTIONS = """array cpus-per-task gpus-per-node job-name kill-on-bad-exit nodes ntasks
+ntasks-per-node open-mode output requeue signal time""".split()
+
+
+def test_help_prints_and_example_scripts_use_only_known_flags():
+    for script in _parsers():
+        r = subprocess.run(
+            [sys.executable, os.path.join(REPO, script), "--help"], capture_output=True, text=True
+        )
+        assert r.returncode == 0 and "--tempnet-tau-min" in r.stdout, r.stderr[-2000:]
+        assert "(default: 0.001)" in r.stdout  # the dataclass default, shown once
+    known = {f for parser in _parsers().values() for f in _options(parser)}
+    known |= {"--" + option for option in LAUNCHER_OPTIONS}
+    used = set()
+    for folder, _, files in os.walk(os.path.join(REPO, "examples")):
+        for name in files:
+            if name.endswith(".sh"):
+                text = open(os.path.join(folder, name)).read()
+                used |= set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", text))
+    assert len(used) > 40 and sorted(used - known) == []
+
+
+OUTSIDE_DOCUMENTS = ("DESIGN" + ".md", ".." + "/shared")  # spelled so that this file has none
+
+
+def test_no_reference_to_a_design_document_outside_the_repository():
+    skip = {".git", ".venv", "runs", "build", "__pycache__", ".pytest_cache", ".ruff_cache"}
+    offenders = []
+    for folder, dirs, files in os.walk(REPO):
+        dirs[:] = [d for d in dirs if d not in skip and not d.endswith(".egg-info")]
+        for name in files:
+            path = os.path.join(folder, name)
+            if path == os.path.join(REPO, "docs", "design.md"):
+                continue
+            try:
+                text = open(path, encoding="utf-8").read()
+            except (UnicodeDecodeError, OSError):
+                continue
+            if any(name in text for name in OUTSIDE_DOCUMENTS):
+                offenders.append(os.path.relpath(path, REPO))
+    assert offenders == [] and os.path.isfile(os.path.join(REPO, "docs", "design.md"))

@@ -1,0 +1,78 @@
+"""DeepSpeed's private pipeline symbols the project uses are checked at start-up: an upgrade that
+removes or changes one fails loudly, naming it (megatron-core's: tests/distributed/
+test_cpu_support.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_tempnet import compat
+
+
+def test_the_pinned_deepspeed_has_every_symbol():
+    compat.check_deepspeed()
+
+
+@pytest.mark.parametrize("symbol", ["_exec_backward_pass", "_INSTRUCTION_MAP"])
+def test_a_missing_engine_symbol_fails_loudly(monkeypatch, symbol):
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    monkeypatch.delattr(PipelineEngine, symbol)
+    with pytest.raises(compat.UpstreamError, match=f"PipelineEngine.{symbol} no longer exists"):
+        compat.check_deepspeed()
+
+
+def test_an_instruction_map_without_backward_fails_loudly(monkeypatch):
+    from deepspeed.runtime.pipe import schedule
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    reduced = {
+        k: v for k, v in PipelineEngine._INSTRUCTION_MAP.items() if k is not schedule.SendGrad
+    }
+    monkeypatch.setattr(PipelineEngine, "_INSTRUCTION_MAP", reduced)
+    with pytest.raises(compat.UpstreamError, match="no longer maps schedule.SendGrad"):
+        compat.check_deepspeed()
+
+
+def test_a_changed_load_signature_fails_loudly(monkeypatch):
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    monkeypatch.setattr(PipelineModule, "load_state_dir", lambda self, load_dir: None)
+    with pytest.raises(compat.UpstreamError, match=r"load_state_dir lost parameter\(s\)"):
+        compat.check_deepspeed()
+
+
+def _init_without_grid(self, layers):
+    self._local_start, self.forward_funcs = 0, []
+
+
+def _init_without_local_start(self, layers):
+    self._grid, self.forward_funcs = None, []
+
+
+def _init_without_forward_funcs(self, layers):
+    self._grid, self._local_start = None, 0
+
+
+@pytest.mark.parametrize(
+    "attribute,init",
+    [
+        ("_grid", _init_without_grid),
+        ("_local_start", _init_without_local_start),
+        ("forward_funcs", _init_without_forward_funcs),
+    ],
+)
+def test_a_renamed_module_attribute_fails_loudly(monkeypatch, attribute, init):
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    monkeypatch.setattr(PipelineModule, "__init__", init)  # no longer sets the attribute
+    with pytest.raises(compat.UpstreamError, match=f"PipelineModule.{attribute} no longer exists"):
+        compat.check_deepspeed()
+
+
+def test_an_unpinned_deepspeed_fails_loudly(monkeypatch):
+    import deepspeed
+
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.0")
+    with pytest.raises(compat.UpstreamError, match="DeepSpeed 0.20.0 is installed"):
+        compat.check_deepspeed()
