@@ -50,7 +50,7 @@ def run_case(args) -> dict:
     from megatron_tempnet.compat import apply_cpu_support
     from megatron_tempnet.models.gpt import ModelConfig, build_gpt_model
     from megatron_tempnet.models.gpt.objective import LossConfig, TrainModule
-    from megatron_tempnet.tempnet import TempNetConfig, TempNetLM
+    from megatron_tempnet.tempnet import TempNetLM
 
     cuda = args.device == "cuda"
     apply_cpu_support()
@@ -62,12 +62,12 @@ def run_case(args) -> dict:
     model_cfg = ModelConfig.from_preset(
         args.model, vocab_size=args.vocab_size, seq_length=args.seq_length
     )
-    loss_cfg, tempnet_cfg = LossConfig(**CASES[args.case]), TempNetConfig(rho=10.0)
+    loss_cfg = LossConfig(rho=10.0, **CASES[args.case])
     lm = build_gpt_model(model_cfg)
     tempnet = None
     if loss_cfg.uses_tempnet:
         tempnet = TempNetLM(args.vocab_size, padded_vocab_size=model_cfg.padded_vocab_size(1))
-    module = TrainModule(lm, tempnet, loss_cfg, tempnet_cfg, args.vocab_size)
+    module = TrainModule(lm, tempnet, loss_cfg, args.vocab_size, freeze_lm=False)
     device = torch.device("cuda" if cuda else "cpu")
     module.to(device)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, betas=(0.9, 0.95))

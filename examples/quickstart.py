@@ -43,16 +43,10 @@ def train_tokenizer(corpus: str, prefix: str, vocab_size: int) -> str:
 
     with open(corpus) as f:
         texts = [json.loads(line)["text"] for line in f]
+    lossless = {"model_type": "bpe", "byte_fallback": True, "normalization_rule_name": "identity"}
+    lossless.update(remove_extra_whitespaces=False, max_sentence_length=1 << 16, minloglevel=2)
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(texts),
-        model_prefix=prefix,
-        vocab_size=vocab_size,
-        model_type="bpe",
-        byte_fallback=True,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        max_sentence_length=1 << 16,
-        minloglevel=2,
+        sentence_iterator=iter(texts), model_prefix=prefix, vocab_size=vocab_size, **lossless
     )
     return prefix + ".model"
 

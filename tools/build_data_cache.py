@@ -19,6 +19,7 @@ import sys
 from megatron_tempnet.data.gpt_data import GPTDataConfig, build_gpt_datasets, num_samples
 from megatron_tempnet.data.loader import DataConfigError, dataset_fingerprint
 from megatron_tempnet.data.tokenizers import TokenizerConfig
+from megatron_tempnet.trainer.config import TrainingConfig
 from megatron_tempnet.utils.cli import run_tool
 from megatron_tempnet.utils.flags import add_flags, from_flags
 
@@ -28,10 +29,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flags(p, GPTDataConfig, "data")
     add_flags(p, TokenizerConfig, "tokenizer")
     g = p.add_argument_group("samples needed (pretrain_gpt.py's flags, with its defaults)")
-    g.add_argument("--train-iters", type=int, required=True, help="the run's iterations")
+    g.add_argument("--train-iters", type=int, required=True, help="the run's --train-iters")
     g.add_argument("--global-batch-size", type=int, required=True, help="the run's batch")
-    g.add_argument("--eval-interval", type=int, default=1000, help="the run's (default 1000)")
-    g.add_argument("--eval-iters", type=int, default=10, help="the run's (default 10)")
+    t, same = TrainingConfig, "the run's (default: %(default)s)"
+    g.add_argument("--eval-interval", type=int, default=t.eval_interval, help=same)
+    g.add_argument("--eval-iters", type=int, default=t.eval_iters, help=same)
     return p.parse_args(argv)
 
 

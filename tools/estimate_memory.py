@@ -22,6 +22,7 @@ from megatron_tempnet.models.gpt.memory import (
     largest,
     stage_params,
 )
+from megatron_tempnet.tempnet.config import TempNetConfig
 from megatron_tempnet.utils.cli import run_tool
 
 DEFAULT_VOCAB = {"llama": 32000, "gpt": 50257}  # LLaMA-2's SentencePiece, GPT-2's BPE
@@ -52,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--freeze-lm", action="store_true", help="TempNet only (the LM is frozen)")
     p.add_argument("--recompute-activations", action="store_true")
     p.add_argument("--no-tempnet", action="store_true", help="--loss ce / a fixed tau")
-    p.add_argument("--tempnet-hidden-size", type=int, default=256)
-    p.add_argument("--tempnet-proj-size", type=int, default=256)
+    p.add_argument("--tempnet-hidden-size", type=int, default=TempNetConfig.tempnet_hidden_size)
+    p.add_argument("--tempnet-proj-size", type=int, default=TempNetConfig.tempnet_proj_size)
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="per GPU (default 80)")
     return p
 

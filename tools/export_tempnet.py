@@ -16,7 +16,6 @@ import argparse
 import sys
 
 from megatron_tempnet.inference.checkpoint_io import CheckpointReader
-from megatron_tempnet.inference.model import tempnet_settings
 from megatron_tempnet.tempnet.export import export_tempnet
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 from megatron_tempnet.utils.cli import run_tool
@@ -33,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--load {args.load}: {reader.path} holds no TempNet (a run with --tau-source "
             "tempnet saves one)"
         )
-    settings = {**reader.config.get("loss", {}), **tempnet_settings(reader.config)}
+    settings = reader.config.get("loss", {})
     keys = ("loss", "rho", "tau_min", "tau_max", "stop_grad")
     trained_with = {k: settings.get(k) for k in keys}
     trained_with["checkpoint"] = reader.path

@@ -138,17 +138,10 @@ def model_config_from_hf(config: dict) -> ModelConfig:
 
 def architecture(model: ModelConfig) -> str:
     """``llama`` or ``gpt2``: the HF architecture with the same computation as ``model``."""
-    if (model.normalization, model.swiglu, model.position_embedding_type) == (
-        "RMSNorm",
-        True,
-        "rope",
-    ):
+    shape = (model.normalization, model.swiglu, model.position_embedding_type)
+    if shape == ("RMSNorm", True, "rope"):
         return "llama"
-    if (model.normalization, model.swiglu, model.position_embedding_type) == (
-        "LayerNorm",
-        False,
-        "learned_absolute",
-    ) and model.add_bias_linear:
+    if shape == ("LayerNorm", False, "learned_absolute") and model.add_bias_linear:
         return "gpt2"
     raise CheckpointError(
         "this model has no Hugging Face equivalent here: LLaMA needs RMSNorm, --swiglu and "

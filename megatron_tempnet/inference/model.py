@@ -127,11 +127,6 @@ def load_inference_model(
     return InferenceModel(lm.eval(), tempnet, model, config, tp_group)
 
 
-def tempnet_settings(config: dict) -> dict:
-    """The TempNet section of a saved run config (``loss`` in checkpoints of earlier versions)."""
-    return config.get("tempnet") or config.get("loss", {})
-
-
 def _tempnet(
     reader: CheckpointReader,
     tempnet_dir: str | None,
@@ -147,7 +142,7 @@ def _tempnet(
         )
     elif reader.has_tempnet():
         state = reader.tempnet_state()
-        settings = tempnet_settings(reader.config)
+        settings = reader.config.get("loss", {})
         tempnet = TempNetLM(
             reader.model.vocab_size,
             hidden_size=state["weight1"].shape[0],

@@ -96,6 +96,13 @@ class TransformerShape:
                 raise ModelConfigError(message)
 
 
+def preset_fields(presets: dict[str, dict], name: str, overrides: dict) -> dict:
+    """A ``--model`` preset's fields, the given values (None: the preset's) taking precedence."""
+    if name not in presets:
+        raise ModelConfigError(f"--model {name!r} is not one of {', '.join(presets)}")
+    return {**presets[name], **{k: v for k, v in overrides.items() if v is not None}}
+
+
 def padded_vocab_size(vocab_size: int | None, divisible_by: int, tensor_parallel_size: int) -> int:
     """The vocabulary rounded up to a multiple of ``divisible_by`` x TP (Megatron-LM's padding)."""
     if vocab_size is None:
@@ -206,6 +213,18 @@ class TransformerPiece(nn.Module):
 
             return tensor_parallel.checkpoint(self._run, False, hidden)
         return self._run(hidden)
+
+
+def vocab_parallel_embedding(config, vocab_size: int):
+    """megatron-core's ``VocabParallelEmbedding`` of ``vocab_size`` (padded) rows over TP."""
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.VocabParallelEmbedding(
+        vocab_size,
+        config.hidden_size,
+        init_method=config.embedding_init_method,
+        config=config,
+    )
 
 
 class FinalNorm(nn.Module):

@@ -22,20 +22,14 @@ _GROUPS = {
 }
 
 
-def add_run_flags(
-    parser: argparse.ArgumentParser, optimizer: type[OptimizerConfig] = OptimizerConfig
-) -> None:
-    """Parallelism, optimizer, training, checkpoint and logging flags (``optimizer``: a family's
-    subclass with its own defaults)."""
+def add_run_flags(parser: argparse.ArgumentParser, **families: type) -> None:
+    """Parallelism, optimizer, training, checkpoint and logging flags; ``families`` replaces a
+    group's config by a family's subclass (``training=GPTTrainingConfig``)."""
     for name, (cls, title) in _GROUPS.items():
-        add_flags(parser, optimizer if name == "optimizer" else cls, title)
+        add_flags(parser, families.get(name, cls), title)
 
 
-def run_configs(
-    args: argparse.Namespace, optimizer: type[OptimizerConfig] = OptimizerConfig
-) -> dict:
-    """``RunConfig``'s shared fields from the parsed flags, by field name."""
-    return {
-        name: from_flags(optimizer if name == "optimizer" else cls, args)
-        for name, (cls, _) in _GROUPS.items()
-    }
+def run_configs(args: argparse.Namespace, **families: type) -> dict:
+    """``RunConfig``'s shared fields from the parsed flags, by field name (``families`` as in
+    ``add_run_flags``)."""
+    return {name: from_flags(families.get(name, cls), args) for name, (cls, _) in _GROUPS.items()}

@@ -163,6 +163,21 @@ def _argument(
     return out
 
 
+def add_preset_flags(
+    parser: argparse.ArgumentParser, cls: type, presets: dict, default: str, what: str
+):
+    """The ``model`` group: ``--model`` (one of ``presets``, describing ``what``) and ``cls``'s
+    flags, each overriding the preset's value."""
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--model",
+        default=default,
+        choices=sorted(presets),
+        help=f"{what}; every other model flag overrides it (default: {default})",
+    )
+    return add_flags(group, cls, preset=True)
+
+
 def flag_values(cls: type, args: argparse.Namespace) -> dict:
     """The parsed values of ``cls``'s flags that ``args`` has, by field name."""
     hints = typing.get_type_hints(cls)

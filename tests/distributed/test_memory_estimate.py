@@ -20,6 +20,7 @@ from megatron_tempnet.models.gpt.memory import (
     stage_params,
 )
 from tests.helpers.distributed import run_distributed
+from tests.helpers.entry_points import run_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -58,7 +59,7 @@ def _measure(tp: int, seq: int, mbs: int, vocab: int, recompute: bool, llama: bo
     from megatron_tempnet.compat import apply_cpu_support
     from megatron_tempnet.models.gpt import build_gpt_model
     from megatron_tempnet.models.gpt.objective import LossConfig, TrainModule
-    from megatron_tempnet.tempnet import TempNetConfig, TempNetLM
+    from megatron_tempnet.tempnet import TempNetLM
 
     apply_cpu_support()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -68,8 +69,7 @@ def _measure(tp: int, seq: int, mbs: int, vocab: int, recompute: bool, llama: bo
     lm = build_gpt_model(cfg, tensor_parallel_size=tp, recompute_activations=recompute)
     group = parallel_state.get_tensor_model_parallel_group()
     tempnet = TempNetLM(vocab, padded_vocab_size=cfg.padded_vocab_size(tp), tp_group=group)
-    objective = LossConfig(), TempNetConfig(rho=10.0)
-    module = TrainModule(lm, tempnet, *objective, vocab, tp_group=group)
+    module = TrainModule(lm, tempnet, LossConfig(rho=10.0), vocab, freeze_lm=False, tp_group=group)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocab, (mbs, seq + 1), generator=g)
@@ -117,7 +117,7 @@ def test_total_is_within_20_percent_of_the_measured_peak(tp, recompute, llama):
 
 def _tool(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, os.path.join(REPO, "tools", "estimate_memory.py"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return run_command(cmd, timeout=120)
 
 
 def test_the_70b_recipe_and_flag_errors():

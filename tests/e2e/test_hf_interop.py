@@ -14,6 +14,7 @@ import torch
 
 from tests.helpers.corpus import blend_corpus
 from tests.helpers.distributed import run_distributed
+from tests.helpers.entry_points import run_command
 from tests.helpers.hf_models import load_hf, save_hf_gpt2, save_hf_llama
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,7 +32,7 @@ def hf(tmp_path_factory):
 
 def tool(script: str, *args, check: bool = True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, os.path.join(REPO, "tools", *script.split("/")), *map(str, args)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    r = run_command(cmd, env=ENV, timeout=300)
     if check:
         assert r.returncode == 0, r.stderr[-3000:]
     return r
@@ -93,7 +94,7 @@ def _pretrain(hf, nproc: int, flags: list[str], out) -> None:
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", os.path.join(REPO, "pretrain_gpt.py"), *args]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
+    r = run_command(cmd, env=ENV, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
 
 

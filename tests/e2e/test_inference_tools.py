@@ -10,7 +10,6 @@ import glob
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 from tests.e2e.test_hf_interop import ENV, REPO, convert, tool
 from tests.helpers.corpus import blend_corpus, pydoc_documents
 from tests.helpers.distributed import run_distributed
+from tests.helpers.entry_points import run_command
 from tests.helpers.hf_models import load_hf, save_hf_gpt2, save_hf_llama
 
 
@@ -38,7 +38,7 @@ def _train(setup, ckpt, out, nproc: int, iters: int, extra: list[str] = ()) -> N
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", os.path.join(REPO, "pretrain_gpt.py"), *args]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
+    r = run_command(cmd, env=ENV, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
 
 
@@ -184,7 +184,7 @@ def _generate(setup, tmp_path, name: str, nproc: int, *flags) -> list[dict]:
         "--ignore-eod",
         *map(str, flags),
     ]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    r = run_command(cmd, env=ENV, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return [json.loads(line) for line in out.read_text().splitlines()]
 
@@ -271,7 +271,7 @@ def test_evaluate_tllm_perplexity_matches_a_reference(setup, tmp_path):
                "--tensor-model-parallel-size", str(tp), "--jsonl", str(tmp_path / "docs.jsonl"),
                "--documents", "separate", "--output", str(tmp_path / f"e{tp}.json"),
                "--per-token-output", str(tmp_path / f"t{tp}.jsonl")]  # fmt: skip
-        r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+        r = run_command(cmd, env=ENV, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         results[tp] = json.loads((tmp_path / f"e{tp}.json").read_text())
         rows = [json.loads(x) for x in (tmp_path / f"t{tp}.jsonl").read_text().splitlines()]
@@ -316,7 +316,7 @@ def test_lm_eval_adapter_scores_a_local_multiple_choice_task(setup, tmp_path):
            str(tmp_path / "out"), "--log_samples"]  # fmt: skip
     env = dict(ENV, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
                HF_DATASETS_CACHE=str(tmp_path / "hf-cache"))  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    r = run_command(cmd, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     results = json.loads(open(glob.glob(str(tmp_path / "out" / "**" / "results_*.json"),
                                         recursive=True)[0]).read())  # fmt: skip

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.helpers.corpus import blend_corpus
-from tests.helpers.entry_points import cli_flags, run_entry_point
+from tests.helpers.entry_points import cli_flags, run_command, run_entry_point
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -261,6 +261,9 @@ def test_keep_last_finetune_and_tensorboard(corpus, tmp_path):
         "validation/tllm_ppl",
     } <= scalars
     assert "tau/histogram" in events.Tags()["histograms"]
+    # TempNet's learning rate follows its own schedule (--tempnet-lr defaults to --lr)
+    lrs = {tag: [e.value for e in events.Scalars(tag)] for tag in ("train/lr", "train/tempnet_lr")}
+    assert lrs["train/tempnet_lr"] == lrs["train/lr"] and len(set(lrs["train/lr"])) > 1
     assert [e.step for e in events.Scalars("loss/loss")] == list(range(1, 7))
     # --finetune: the weights of iteration 6, a fresh start for everything else
     tuned = tmp_path / "tuned.jsonl"
@@ -284,7 +287,8 @@ def test_a_prebuilt_data_cache_is_what_training_loads(corpus, tmp_path):
             "--merge-file", spec["merge_file"], "--data-cache-path", str(cache)]  # fmt: skip
     batch = ["--train-iters", "10", "--global-batch-size", "8", "--eval-interval", "5"]
     tool = os.path.join(REPO, "tools", "build_data_cache.py")
-    subprocess.run([sys.executable, tool, *data, *batch], check=True, capture_output=True)
+    r = run_command([sys.executable, tool, *data, *batch])
+    assert r.returncode == 0, r.stderr
     before = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
     # the same flags (defaults included) in pretrain_gpt.py: its start-up only reads the cache
     _pretrain(0, _args(corpus, tmp_path, **{"eval-iters": None, "seed": None}))

@@ -85,6 +85,8 @@ def test_dp2_equals_dp1_and_training_moves(digits, tmp_path, loss):
     expected, got = _curve(one / "metrics.jsonl"), _curve(two / "metrics.jsonl")
     _assert_same_curve(got, expected, rtol=1e-4)
     assert expected[-1]["loss"] < expected[0]["loss"]
+    if loss == "tempnet":  # TempNet's own learning rate (--tempnet-lr 1e-3, --lr 2e-3) is logged
+        assert all(r["tempnet_lr"] == pytest.approx(r["lr"] / 2) for r in expected)
     final = [r for r in _rows(one / "metrics.jsonl") if "val_ir@1" in r]
     assert len(final) == 1 and final[0]["iteration"] == 10  # evaluated at the end
     final_dp2 = [r for r in _rows(two / "metrics.jsonl") if "val_ir@1" in r][0]

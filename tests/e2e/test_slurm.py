@@ -19,6 +19,7 @@ from tests.helpers.corpus import (
     train_sentencepiece,
     write_jsonl,
 )
+from tests.helpers.entry_points import run_command
 from tests.helpers.slurm import start_slurm
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,7 +55,7 @@ def llama_lm(tmp_path_factory):
            "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-interval", "0",
            "--save", str(d / "lm")]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    r = run_command(cmd, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     return {**TINY, "LM_CHECKPOINT": str(d / "lm"), "TOKENIZER_MODEL": model,
             "DATA_PATH": prefix.prefix, "NPROC_PER_NODE": "2", "TP": "2"}  # fmt: skip

@@ -2,9 +2,9 @@
 
     results = run_distributed(fn, world_size=2, args=(...), timeout=120)
 
-* ``fn`` runs in freshly spawned processes with ``torch.distributed`` initialised (gloo, CPU)
-  and must be importable (a module-level function). Its return values, one per rank, come back
-  as a list.
+* ``fn`` runs in fresh processes (forked from the session's preloaded server, see
+  ``processes``) with ``torch.distributed`` initialised (gloo, CPU) and must be importable (a
+  module-level function). Its return values, one per rank, come back as a list.
 * The rendezvous store is opened by this process on a port the OS picks, so tests never collide
   on ports.
 * If a rank raises, the test fails with that rank's traceback; if the ranks do not finish within
@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import ctypes
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -26,6 +25,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from tests.helpers.processes import context
 
 _HOST = "127.0.0.1"
 
@@ -68,7 +69,7 @@ def run_distributed(
     fn, world_size: int, args: tuple = (), kwargs: dict | None = None, timeout: float = 180.0
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results."""
-    ctx = mp.get_context("spawn")
+    ctx = context()
     store = dist.TCPStore(
         _HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
     )

@@ -1,12 +1,30 @@
-"""Run the training entry points as a user does: flags from a dict, torchrun or one process."""
+"""Run the entry points and tools as a user does: flags from a dict, N ranks or one process.
+
+``run_program`` runs a script (``pretrain_gpt.py``, ``tools/generate.py``) or a module (``-m``)
+as ``__main__`` in fresh processes with the environment torchrun gives its workers (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``); with ``nproc=0`` as a plain
+``python script.py`` (no launcher variables). Like torchrun it stops the other ranks when one
+fails and reports 1 for any failure (the process's own status with ``nproc=0``). The processes
+come from the session's preloaded server (``processes``), so a run does not pay for the imports
+again. examples/quickstart.py and the SLURM tests run torchrun and srun themselves.
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
+import runpy
+import socket
 import subprocess
 import sys
+import tempfile
+import time
+import traceback
+
+from tests.helpers.processes import context
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_GRACE = 30.0  # seconds the other ranks get to stop after one has failed
 
 
 def cli_flags(base: dict, **flags) -> list[str]:
@@ -21,15 +39,192 @@ def cli_flags(base: dict, **flags) -> list[str]:
     return out
 
 
-def run_entry_point(script: str, nproc: int, args: list[str],
-                    check: bool = True) -> subprocess.CompletedProcess:  # fmt: skip
-    """``script`` under torchrun with ``nproc`` CPU ranks (gloo); ``nproc=0``: plain python
-    (what a user sees directly)."""
-    launcher = [] if nproc == 0 else ["-m", "torch.distributed.run", "--standalone",
-                                      f"--nproc-per-node={nproc}"]  # fmt: skip
-    cmd = [sys.executable, *launcher, os.path.join(REPO, script), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _main(
+    target: str,
+    args: list[str],
+    module: bool,
+    env: dict,
+    cwd: str,
+    out: str,
+    err: str,
+    stdin: str | None,
+) -> None:
+    """One process: ``python target args`` (or ``python -m target args``)."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, path in ((1, out), (2, err)):
+        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(handle, fd)
+        os.close(handle)
+    if stdin is not None:
+        sys.stdin = open(stdin, encoding="utf-8")  # noqa: SIM115 (the process's stdin)
+    code = 0
+    try:
+        if module:
+            sys.argv = [target, *args]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *args]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as e:
+        if isinstance(e.code, int) or e.code is None:
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        atexit._run_exitfuncs()  # what the interpreter does at exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+    sys.exit(code)
+
+
+def run_program(
+    target: str,
+    args: list[str],
+    nproc: int = 0,
+    *,
+    module: bool = False,
+    env: dict | None = None,
+    timeout: float = 600,
+    input: str | None = None,
+) -> subprocess.CompletedProcess:
+    """Run ``target`` (a path, relative to the repository, or a module with ``module``) with
+    ``args`` on ``nproc`` ranks (0: one plain process); returns its status and output."""
+    ctx = context()
+    path = target if module else os.path.join(REPO, target)
+    base = dict(os.environ if env is None else env)
+    base.setdefault("OMP_NUM_THREADS", "1")
+    base.setdefault("DS_ACCELERATOR", "cpu")
+    ranks = max(nproc, 1)
+    port = str(_free_port())
+    with tempfile.TemporaryDirectory() as tmp:
+        stdin = None
+        if input is not None:
+            stdin = os.path.join(tmp, "stdin")
+            with open(stdin, "w", encoding="utf-8") as f:
+                f.write(input)
+        procs = []
+        for rank in range(ranks):
+            rank_env = dict(base)
+            if nproc:
+                rank_env.update(
+                    RANK=str(rank),
+                    LOCAL_RANK=str(rank),
+                    WORLD_SIZE=str(nproc),
+                    LOCAL_WORLD_SIZE=str(nproc),
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=port,
+                )
+            out, err = os.path.join(tmp, f"out{rank}"), os.path.join(tmp, f"err{rank}")
+            procs.append(
+                ctx.Process(
+                    target=_main,
+                    args=(
+                        path,
+                        [str(a) for a in args],
+                        module,
+                        rank_env,
+                        os.getcwd(),
+                        out,
+                        err,
+                        stdin,
+                    ),
+                )
+            )
+        try:
+            for p in procs:
+                p.start()
+            codes = _wait(procs, timeout, [str(target), *map(str, args)])
+        finally:
+            _stop(procs)
+        stdout = "".join(_read(os.path.join(tmp, f"out{r}")) for r in range(ranks))
+        stderr = "".join(_read(os.path.join(tmp, f"err{r}")) for r in range(ranks))
+    code = codes[0] if not nproc else (0 if all(c == 0 for c in codes) else 1)
+    return subprocess.CompletedProcess([target, *args], code, stdout, stderr)
+
+
+def _wait(procs, timeout: float, cmd: list[str]) -> list[int]:
+    """Every exit status; when one rank fails, the others get ``_GRACE`` seconds, then stop."""
+    deadline = time.monotonic() + timeout
+    failed_at = None
+    while any(p.exitcode is None for p in procs):
+        now = time.monotonic()
+        if now > deadline:
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed_at = now
+        if failed_at is not None and now - failed_at > _GRACE:
+            break
+        for p in procs:
+            if p.exitcode is None:
+                p.join(0.05)
+                break
+    return [p.exitcode if p.exitcode is not None else -15 for p in procs]
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def _read(path: str) -> str:
+    if not os.path.exists(path):
+        return ""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def run_entry_point(
+    script: str, nproc: int, args: list[str], check: bool = True
+) -> subprocess.CompletedProcess:
+    """``script`` (``pretrain_gpt.py``, ``pretrain_clip.py``) on ``nproc`` CPU ranks (gloo);
+    ``nproc=0``: a plain process (what a user sees directly)."""
+    r = run_program(script, args, nproc)
     if check:
         assert r.returncode == 0, r.stderr[-4000:]
     return r
+
+
+def run_command(
+    cmd: list[str], *, env: dict | None = None, timeout: float = 600, input: str | None = None
+) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` for the project's own programs:
+    ``[python, script, ...]``, ``[python, -m, module, ...]`` and the same after
+    ``-m torch.distributed.run --standalone --nproc-per-node=N``, through ``run_program``."""
+    if cmd[0] != sys.executable:
+        raise ValueError(f"not a Python command: {cmd}")
+    args, nproc = [str(a) for a in cmd[1:]], 0
+    if args[:2] == ["-m", "torch.distributed.run"]:
+        args = args[2:]
+        while args[0].startswith("--"):  # the launcher's options
+            option = args.pop(0)
+            if option.startswith("--nproc-per-node="):
+                nproc = int(option.split("=", 1)[1])
+            elif option == "--nproc-per-node":
+                nproc = int(args.pop(0))
+    module = args[0] == "-m"
+    if module:
+        args = args[1:]
+    return run_program(
+        args[0], args[1:], nproc, module=module, env=env, timeout=timeout, input=input
+    )

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 import megatron_tempnet
+from tests.helpers.entry_points import run_command
 from tests.helpers.imports import cycles, import_graph, package_graph
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -155,9 +155,7 @@ ntasks-per-node open-mode output requeue signal time""".split()
 
 def test_help_prints_and_example_scripts_use_only_known_flags():
     for script in _parsers():
-        r = subprocess.run(
-            [sys.executable, os.path.join(REPO, script), "--help"], capture_output=True, text=True
-        )
+        r = run_command([sys.executable, os.path.join(REPO, script), "--help"])
         assert r.returncode == 0 and "--tempnet-tau-min" in r.stdout, r.stderr[-2000:]
         assert "(default: 0.001)" in r.stdout  # the dataclass default, shown once
     known = {f for parser in _parsers().values() for f in _options(parser)}

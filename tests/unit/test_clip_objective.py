@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_tempnet.models.clip.config import CLIPLossConfig, CLIPTempNetConfig
+from megatron_tempnet.models.clip.config import CLIPLossConfig
 from megatron_tempnet.models.clip.objective import CLIPTrainModule
 
 N, D = 6, 5
@@ -64,10 +64,10 @@ def _features(towers):
 
 @pytest.mark.parametrize("loss", ["sogclr", "isogclr", "tempnet"])
 def test_robust_losses_over_three_steps(loss):
-    cfg = CLIPLossConfig(clip_loss=loss, tau_init=0.03, gamma=0.7, isogclr_tau_lr=0.004)
+    cfg = CLIPLossConfig(clip_loss=loss, tau_init=0.03, rho=2.0, gamma=0.7, isogclr_tau_lr=0.004)
+    cfg.tempnet_proj_size = 4
     torch.manual_seed(0)
-    module = CLIPTrainModule(FakeTowers(1), cfg, CLIPTempNetConfig(rho=2.0, proj_size=4))
-    temperature = module.temperature
+    module = CLIPTrainModule(FakeTowers(1), cfg)
     k = len(cfg.state_fields)
     state, seen = torch.zeros(N, k), torch.zeros(N, dtype=torch.bool)
     ref = {f: [0.0] * N for f in cfg.state_fields}
@@ -81,7 +81,7 @@ def test_robust_losses_over_three_steps(loss):
         model_terms, objective, tempnet_terms = [], [], []
         for side, (a, c) in (("image", (img, txt)), ("text", (txt, img))):
             if loss == "tempnet":
-                tau = temperature.tempnets[side](a.detach().float()).double().tolist()
+                tau = module.tempnets[side](a.detach().float()).double().tolist()
             elif loss == "isogclr":
                 tau = [ref[f"tau_{side}"][i] if step else 0.03 for i in range(N)]
             else:
@@ -108,7 +108,7 @@ def test_robust_losses_over_three_steps(loss):
             _chain(module.clip.image, img.grad), rtol=1e-3, atol=1e-5,
         )  # fmt: skip
         for side, e, tau_grad in tempnet_terms:
-            net = temperature.tempnets[side]
+            net = module.tempnets[side]
             got = [p.grad.clone() for p in net.parameters()]
             expected = torch.autograd.grad((tau_grad.float() * net(e)).sum(), list(
                 net.parameters()))  # fmt: skip
@@ -132,15 +132,14 @@ def _chain(raw: torch.Tensor, grad_normalised: torch.Tensor) -> torch.Tensor:
 def test_info_nce_losses(loss):
     cfg = CLIPLossConfig(clip_loss=loss, tau_init=0.05)
     torch.manual_seed(0)
-    module = CLIPTrainModule(FakeTowers(2), cfg, CLIPTempNetConfig())
-    temperature = module.temperature
+    module = CLIPTrainModule(FakeTowers(2), cfg)
     out = module(None, None, None)
     out.loss.sum().backward()
     img, txt = _features(module.clip)
     if loss == "clip":
         tau_i = tau_t = [0.05] * N  # exp(log 0.05), inside the tau range
     else:  # TaU: tau = tau_init / sigmoid(a), a from a linear head on the embedding
-        head_i, head_t = temperature.tau_heads["image"].linear, temperature.tau_heads["text"].linear
+        head_i, head_t = module.tau_heads["image"].linear, module.tau_heads["text"].linear
         # the head reads the embedding with its gradient (TaU), unlike TempNet
         a_i = (img @ head_i.weight.double().t() + head_i.bias.double())[:, 0]
         a_t = (txt @ head_t.weight.double().t() + head_t.bias.double())[:, 0]
@@ -161,4 +160,4 @@ def test_info_nce_losses(loss):
             ]
         )
         (g,) = torch.autograd.grad(ref.sum(), t)
-        assert float(temperature.log_tau.grad) == pytest.approx(float(g) * 0.05, rel=1e-4)
+        assert float(module.log_tau.grad) == pytest.approx(float(g) * 0.05, rel=1e-4)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -26,6 +25,7 @@ from megatron_tempnet.data.loader import (
     dataset_fingerprint,
 )
 from tests.helpers.corpus import blend_config, blend_corpus
+from tests.helpers.entry_points import run_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ = 32
@@ -99,15 +99,14 @@ def test_build_data_cache_tool_prebuilds_for_training(corpus, tmp_path):
         "--eval-iters", "2", "--tokenizer-type", "GPT2BPETokenizer",
         "--vocab-file", spec["vocab_file"], "--merge-file", spec["merge_file"],
     ]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = run_command(cmd)
     assert r.returncode == 0, r.stderr
     listing = _cache_listing(cache)
     sizes = num_samples(50, 8, 25, 2)
     train = build_gpt_datasets(_config(corpus, cache), corpus["tokenizer"], sizes)[0]
     assert _cache_listing(cache) == listing  # training start-up only reads the cache
     assert f"hash {dataset_fingerprint(train)}" in r.stdout
-    r = subprocess.run(cmd[:2] + ["--data-path", p["A"] + ".bin"] + cmd[7:], capture_output=True,
-                       text=True)  # fmt: skip
+    r = run_command(cmd[:2] + ["--data-path", p["A"] + ".bin"] + cmd[7:])
     assert r.returncode == 1 and "without .bin/.idx" in r.stderr and "Traceback" not in r.stderr
 
 

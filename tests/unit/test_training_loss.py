@@ -13,18 +13,10 @@ from megatron_tempnet.models.gpt.objective import (
     LossConfigError,
     masked_mean,
     token_losses,
-    validate_objective,
 )
-from megatron_tempnet.tempnet import TempNetConfig, TempNetLM
+from megatron_tempnet.tempnet import TempNetLM
 
 V, PAD = 50, 64
-TEMPNET_FIELDS = ("rho", "tau_min", "tau_max", "stop_grad")
-
-
-def _configs(**kw) -> tuple[LossConfig, TempNetConfig]:
-    """The objective's two configs from one set of keyword arguments."""
-    tempnet = {k: kw.pop(k) for k in TEMPNET_FIELDS if k in kw}
-    return LossConfig(**kw), TempNetConfig(**tempnet)
 
 
 def _ce(logits, labels, tau):
@@ -41,12 +33,12 @@ VALID = [
 @pytest.mark.parametrize("loss,source", VALID)
 def test_every_combination_matches_its_reference(loss, source):
     torch.manual_seed(0)
-    cfg = _configs(loss=loss, tau_source=source, fixed_tau=0.7, rho=2.0, tau_min=0.05)
-    validate_objective(*cfg)
+    cfg = LossConfig(loss=loss, tau_source=source, fixed_tau=0.7, rho=2.0, tau_min=0.05)
+    cfg.validate()
     logits = (torch.randn(2, 6, PAD) * 3).requires_grad_()
     labels = torch.randint(0, V, (2, 6))
     net = TempNetLM(V, hidden_size=8, proj_size=8, padded_vocab_size=PAD, tau_min=0.05)
-    out = token_losses(logits, labels, *cfg, vocab_size=V, tempnet=net)
+    out = token_losses(logits, labels, cfg, vocab_size=V, tempnet=net)
     if source == "tempnet":
         tau = net(logits).detach()
     elif source == "newton":
@@ -84,7 +76,7 @@ def test_configuration_errors_name_the_flags():
         ({"tau_source": "fixed", "fixed_tau": 0.0}, r"--fixed-tau \(0.0\)"),
     ]:
         with pytest.raises(LossConfigError, match=message):
-            validate_objective(*_configs(**kw))
+            LossConfig(**kw).validate()
 
 
 @pytest.mark.parametrize("loss", LOSSES)
@@ -92,12 +84,12 @@ def test_evaluation_reports_the_t_llm_term(loss):
     """Under no_grad (evaluation) the cross-entropy of L / tau comes with the losses."""
     torch.manual_seed(1)
     source = "fixed" if loss == "ce" else "tempnet"
-    cfg = _configs(loss=loss, tau_source=source, fixed_tau=0.6, rho=2.0, tau_min=0.05)
+    cfg = LossConfig(loss=loss, tau_source=source, fixed_tau=0.6, rho=2.0, tau_min=0.05)
     logits = torch.randn(2, 5, PAD) * 2
     labels = torch.randint(0, V, (2, 5))
     net = TempNetLM(V, hidden_size=8, proj_size=8, padded_vocab_size=PAD, tau_min=0.05).eval()
     with torch.no_grad():
-        out = token_losses(logits, labels, *cfg, vocab_size=V, tempnet=net)
+        out = token_losses(logits, labels, cfg, vocab_size=V, tempnet=net)
     tau = net(logits) if source == "tempnet" else torch.full((2, 5), 0.6)
     torch.testing.assert_close(out.ts_ce.double(), _ce(logits, labels, tau), rtol=1e-5, atol=1e-6)
-    assert token_losses(logits, labels, *cfg, vocab_size=V, tempnet=net).ts_ce is None
+    assert token_losses(logits, labels, cfg, vocab_size=V, tempnet=net).ts_ce is None

@@ -13,24 +13,18 @@ from megatron_tempnet.models.clip.config import (
 )
 from megatron_tempnet.models.clip.data.image_text import ImageTextDataConfig
 from megatron_tempnet.models.clip.task import CLIPEvalConfig, CLIPOptimizerConfig, CLIPRunConfig
+from megatron_tempnet.tempnet.config import TEMPNET_FIELDS
 from megatron_tempnet.trainer.arguments import add_run_flags, run_configs
-from megatron_tempnet.utils.flags import add_flags, flag_values, from_flags
+from megatron_tempnet.utils.flags import add_flags, add_preset_flags, flag_values, from_flags
 
 
 def build_clip_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Train a CLIP model with TempNet or a baseline loss.")
-    g = p.add_argument_group("model")
-    g.add_argument(
-        "--model",
-        default="clip-tiny",
-        choices=sorted(CLIP_PRESETS),
-        help="both towers' shapes; every other model flag overrides it (default: clip-tiny)",
-    )
-    add_flags(g, CLIPModelConfig, preset=True)
+    add_preset_flags(p, CLIPModelConfig, CLIP_PRESETS, "clip-tiny", "both towers' shapes")
     g = add_flags(p, ImageTextDataConfig, "data")
     add_flags(g, CLIPEvalConfig)
     add_flags(p, TokenizerConfig, "tokenizer")
-    add_flags(p, CLIPLossConfig, "loss")
+    add_flags(p, CLIPLossConfig, "loss", exclude=TEMPNET_FIELDS)
     add_flags(p, CLIPTempNetConfig, "TempNet")
     add_run_flags(p, optimizer=CLIPOptimizerConfig)
     return p
@@ -41,7 +35,6 @@ def clip_config_from_args(args: argparse.Namespace) -> CLIPRunConfig:
     return CLIPRunConfig(
         model=CLIPModelConfig.from_preset(args.model, **flag_values(CLIPModelConfig, args)),
         loss=from_flags(CLIPLossConfig, args),
-        tempnet=from_flags(CLIPTempNetConfig, args),
         data=from_flags(ImageTextDataConfig, args, seed=run["training"].seed),
         tokenizer=from_flags(TokenizerConfig, args),
         evaluation=from_flags(CLIPEvalConfig, args),

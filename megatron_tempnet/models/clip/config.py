@@ -8,6 +8,7 @@ from megatron_tempnet.models.transformer import (
     ModelConfigError,
     TransformerShape,
     padded_vocab_size,
+    preset_fields,
 )
 from megatron_tempnet.tempnet.config import TempNetConfig
 from megatron_tempnet.utils.cli import UserError
@@ -82,11 +83,7 @@ class CLIPModelConfig:
     @classmethod
     def from_preset(cls, name: str, **overrides) -> CLIPModelConfig:
         """A preset (``--model``) with the given values (None: the preset's) taking precedence."""
-        if name not in CLIP_PRESETS:
-            raise ModelConfigError(f"--model {name!r} is not one of {', '.join(CLIP_PRESETS)}")
-        fields = dict(CLIP_PRESETS[name])
-        fields.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**fields)
+        return cls(**preset_fields(CLIP_PRESETS, name, overrides))
 
     @property
     def num_patches(self) -> int:
@@ -150,7 +147,28 @@ class CLIPLossConfigError(UserError, ValueError):
 
 
 @dataclass
-class CLIPLossConfig:
+class CLIPTempNetConfig(TempNetConfig):
+    """TempNet for CLIP, and the temperature range and rho of isogclr (the paper's Table 6)."""
+
+    tempnet_hidden_size: int = derived(256)
+    """d1: the model's --embed-dim (the prototypes live in the embedding space)."""
+    tempnet_proj_size: int = 256
+    """d2: the prototypes, initialised from as many training pairs of the other modality."""
+    tau_min: float = option(0.001, name="--tempnet-tau-min")
+    """tau0: the lower bound of TempNet's and isogclr's taus."""
+    tau_max: float = option(0.05, name="--tempnet-tau-max")
+    """The upper bound of TempNet's and isogclr's taus."""
+    rho: float = option(8.0, name="--tempnet-rho")
+    """The KL-DRO radius (the paper's range for CLIP: 7-10); rho >= log(global batch - 1) drives
+    every tau to --tempnet-tau-min."""
+    stop_grad: bool = derived(True)
+    """CLIP's TempNet always reads the detached embedding."""
+
+
+@dataclass
+class CLIPLossConfig(CLIPTempNetConfig):
+    """The contrastive loss and its temperatures (TempNet's fields from ``CLIPTempNetConfig``)."""
+
     clip_loss: str = option("tempnet", choices=CLIP_LOSSES)
     """clip: InfoNCE with one learnable tau; sogclr: the global contrastive loss with a fixed tau;
     isogclr: a learned tau per sample; tempnet: TempNet's tau per image and per text; tau: TaU
@@ -175,41 +193,22 @@ class CLIPLossConfig:
         fields = ("s_image", "b_image", "s_text", "b_text")
         return fields + (("tau_image", "tau_text") if self.clip_loss == "isogclr" else ())
 
-
-@dataclass
-class CLIPTempNetConfig(TempNetConfig):
-    """TempNet for CLIP, and the temperature range and rho of isogclr (the paper's Table 6)."""
-
-    hidden_size: int = derived(256)
-    """d1: the model's --embed-dim (the prototypes live in the embedding space)."""
-    stop_grad: bool = derived(True)
-    """CLIP's TempNet always reads the detached embedding."""
-    proj_size: int = option(256, name="--tempnet-proj-size")
-    """d2: the prototypes, initialised from as many training pairs of the other modality."""
-    tau_min: float = option(0.001, name="--tempnet-tau-min")
-    """tau0: the lower bound of TempNet's and isogclr's taus."""
-    tau_max: float = option(0.05, name="--tempnet-tau-max")
-    """The upper bound of TempNet's and isogclr's taus."""
-    rho: float = option(8.0, name="--tempnet-rho")
-    """The KL-DRO radius (the paper's range for CLIP: 7-10); rho >= log(global batch - 1) drives
-    every tau to --tempnet-tau-min."""
-
-
-def validate_clip_objective(loss: CLIPLossConfig, tempnet: CLIPTempNetConfig) -> None:
-    """Raise ``CLIPLossConfigError`` naming the flags when the loss cannot train."""
-    if loss.clip_loss not in CLIP_LOSSES:
-        raise CLIPLossConfigError(
-            f"--clip-loss {loss.clip_loss!r} is not one of {', '.join(CLIP_LOSSES)}"
-        )
-    problem = tempnet.range_problem()
-    if problem:
-        raise CLIPLossConfigError(problem)
-    if loss.tau_init <= 0:
-        raise CLIPLossConfigError(f"--tau-init ({loss.tau_init}) must be > 0")
-    if loss.clip_loss == "isogclr" and not tempnet.tau_min <= loss.tau_init <= tempnet.tau_max:
-        raise CLIPLossConfigError(
-            f"--tau-init ({loss.tau_init}) must lie in [--tempnet-tau-min, --tempnet-tau-max] = "
-            f"[{tempnet.tau_min}, {tempnet.tau_max}] for --clip-loss isogclr"
-        )
-    if not 0 < loss.gamma <= 1:
-        raise CLIPLossConfigError(f"--sogclr-gamma ({loss.gamma}) must be in (0, 1]")
+    def validate(self) -> None:
+        """Raise ``CLIPLossConfigError`` naming the flags when the loss cannot train."""
+        if self.clip_loss not in CLIP_LOSSES:
+            raise CLIPLossConfigError(
+                f"--clip-loss {self.clip_loss!r} is not one of {', '.join(CLIP_LOSSES)}"
+            )
+        problem = self.range_problem()
+        if problem:
+            raise CLIPLossConfigError(problem)
+        if self.tau_init <= 0:
+            raise CLIPLossConfigError(f"--tau-init ({self.tau_init}) must be > 0")
+        in_range = self.tau_min <= self.tau_init <= self.tau_max
+        if self.clip_loss == "isogclr" and not in_range:
+            raise CLIPLossConfigError(
+                f"--tau-init ({self.tau_init}) must lie in [--tempnet-tau-min, "
+                f"--tempnet-tau-max] = [{self.tau_min}, {self.tau_max}] for --clip-loss isogclr"
+            )
+        if not 0 < self.gamma <= 1:
+            raise CLIPLossConfigError(f"--sogclr-gamma ({self.gamma}) must be in (0, 1]")

@@ -27,7 +27,7 @@ from torch import nn
 
 from megatron_tempnet.losses.contrastive import info_nce, robust_contrastive_side, tempnet_loss
 from megatron_tempnet.losses.contrastive_parallel import gather_with_grad, positive_columns
-from megatron_tempnet.models.clip.config import ROBUST, CLIPLossConfig, CLIPTempNetConfig
+from megatron_tempnet.models.clip.config import ROBUST, CLIPLossConfig
 from megatron_tempnet.models.clip.temperature import SIDES, CLIPTemperature
 
 
@@ -45,28 +45,25 @@ class CLIPOutput:
     """``[2b]`` TaU's uncertainty score ``-a`` (``--clip-loss tau``)."""
 
 
-class CLIPTrainModule(nn.Module):
-    """The towers and the temperature, as one module for the DeepSpeed engine.
+class CLIPTrainModule(CLIPTemperature):
+    """The towers and the temperature (the model's own parameters, ``CLIPTemperature``), as one
+    module for the DeepSpeed engine.
 
     ``forward(images, tokens, lengths, state [b, k], seen [b])`` -> ``CLIPOutput``.
     ``dp_group``: the data-parallel group the candidates are gathered over.
     """
 
-    def __init__(
-        self, clip: nn.Module, loss: CLIPLossConfig, tempnet: CLIPTempNetConfig, *, dp_group=None
-    ):
-        super().__init__()
-        self.clip, self.loss_config, self.tempnet_config = clip, loss, tempnet
-        self.dp_group = dp_group
-        self.temperature = CLIPTemperature(loss, tempnet, clip.config.embed_dim)
+    def __init__(self, clip: nn.Module, loss: CLIPLossConfig, *, dp_group=None):
+        super().__init__(loss, clip.config.embed_dim)
+        self.clip, self.dp_group = clip, dp_group
 
     @torch.no_grad()
     def init_prototypes(self, images, tokens, lengths) -> None:
         """TempNet's prototypes from ``d2`` examples of the other modality."""
-        if self.temperature.tempnets is None:
+        if self.tempnets is None:
             return
         text = self.clip.encode_text(tokens, lengths)
-        self.temperature.init_prototypes(self.clip.encode_image(images), text)
+        self.set_prototypes(self.clip.encode_image(images), text)
 
     def forward(self, images, tokens, lengths, state=None, seen=None, encode: bool = False):
         """The training objective (``CLIPOutput``), or with ``encode`` the evaluation outputs
@@ -129,7 +126,7 @@ class CLIPTrainModule(nn.Module):
         return torch.full_like(embedding[:, 0], cfg.tau_init)
 
     def _robust(self, sims, embeddings, positive, state, seen) -> CLIPOutput:
-        cfg, t = self.loss_config, self.tempnet_config
+        cfg = self.loss_config
         column = {name: i for i, name in enumerate(cfg.state_fields)}
         losses, taus, new = [], [], {}
         for side in SIDES:
@@ -142,7 +139,7 @@ class CLIPTrainModule(nn.Module):
                 state[:, column[f"b_{side}"]],
                 seen,
                 gamma=cfg.gamma,
-                rho=t.rho,
+                rho=cfg.rho,
             )
             loss = out.loss
             if cfg.clip_loss == "tempnet":
@@ -152,6 +149,6 @@ class CLIPTrainModule(nn.Module):
             new[f"s_{side}"], new[f"b_{side}"] = out.s, out.b
             if cfg.clip_loss == "isogclr":  # projected gradient step on the sample's tau
                 step = tau - cfg.isogclr_tau_lr * out.tau_grad
-                new[f"tau_{side}"] = step.clamp(t.tau_min, t.tau_max)
+                new[f"tau_{side}"] = step.clamp(cfg.tau_min, cfg.tau_max)
         state_rows = torch.stack([new[f].detach().float() for f in cfg.state_fields], dim=1)
         return CLIPOutput(torch.cat(losses), torch.cat(taus), state_rows)

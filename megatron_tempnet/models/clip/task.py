@@ -15,12 +15,7 @@ from functools import partial
 import torch
 
 from megatron_tempnet.data.tokenizers import TokenizerConfig
-from megatron_tempnet.models.clip.config import (
-    CLIPLossConfig,
-    CLIPModelConfig,
-    CLIPTempNetConfig,
-    validate_clip_objective,
-)
+from megatron_tempnet.models.clip.config import CLIPLossConfig, CLIPModelConfig
 from megatron_tempnet.models.clip.data.captions import tokenize_captions
 from megatron_tempnet.models.clip.data.image_text import ImageTextDataConfig, ImageTextDataset
 from megatron_tempnet.models.clip.data.sampling import EpochShuffledDataset
@@ -68,7 +63,6 @@ class CLIPOptimizerConfig(OptimizerConfig):
 class CLIPRunConfig(RunConfig):
     model: CLIPModelConfig
     loss: CLIPLossConfig = field(default_factory=CLIPLossConfig)
-    tempnet: CLIPTempNetConfig = field(default_factory=CLIPTempNetConfig)
     data: ImageTextDataConfig
     tokenizer: TokenizerConfig
     evaluation: CLIPEvalConfig = field(default_factory=CLIPEvalConfig)
@@ -92,8 +86,8 @@ def validate_clip(config: CLIPRunConfig, world_size: int) -> None:
         )
     if t.global_batch_size < 2:
         raise ConfigError("a contrastive loss needs a global batch of >= 2 pairs")
-    validate_clip_objective(config.loss, config.tempnet)
-    config.tempnet.resolve(config.optimizer.lr, config.optimizer.weight_decay)
+    config.loss.validate()
+    config.loss.resolve_optimizer(config.optimizer.lr, config.optimizer.weight_decay)
     config.model.validate(p.tensor_model_parallel_size)
 
 
@@ -135,7 +129,7 @@ class CLIPTask:
         m, d = config.model, config.data
         if m.vocab_size is None:
             m.vocab_size = tokenizer.vocab_size
-        config.tempnet.hidden_size = m.embed_dim
+        config.loss.tempnet_hidden_size = m.embed_dim
         d.image_size, d.image_channels, d.context_length = (
             m.image_size,
             m.image_channels,
@@ -190,11 +184,11 @@ class CLIPTask:
         )
         seed_rngs(t.seed + clip.num_pieces)
         module = CLIPTrainModule(
-            clip, config.loss, config.tempnet, dp_group=parallel_state.get_data_parallel_group()
+            clip, config.loss, dp_group=parallel_state.get_data_parallel_group()
         )
         module.to(dtype)  # as DeepSpeed casts it; the loss itself is computed in float32
         if config.loss.uses_tempnet:
-            _init_prototypes(module, data.pairs, config.tempnet.proj_size, t.seed)
+            _init_prototypes(module, data.pairs, config.loss.tempnet_proj_size, t.seed)
         seed_rngs(t.seed)
         module = module.cuda() if torch.cuda.is_available() else module
         return TrainModel(module, _param_groups(module, config))
@@ -247,15 +241,16 @@ def _eval_set(config: CLIPRunConfig, tokenizer, paths: list[str] | None):
 
 def _param_groups(module: CLIPTrainModule, config: CLIPRunConfig) -> list[ParamGroup]:
     """The towers and the temperature's head or global tau (``model``), TempNet's (``tempnet``)."""
-    opt, t = config.optimizer, config.tempnet
+    opt, t = config.optimizer, config.loss
     tempnets = [m for m in module.modules() if isinstance(m, TempNetCLIP)]
     tempnet_params = [p for m in tempnets for p in m.parameters()]
     owned = {id(p) for p in tempnet_params}
     model_params = [p for p in module.parameters() if id(p) not in owned]
     groups = decay_groups("model", model_params, opt.lr, opt.min_lr, opt.weight_decay)
     if tempnet_params:
-        floor = t.lr * (opt.min_lr / opt.lr if opt.lr > 0 else 0.0)
-        groups.append(ParamGroup("tempnet", tempnet_params, t.lr, floor, t.weight_decay, "tempnet"))
+        floor = t.tempnet_lr * (opt.min_lr / opt.lr if opt.lr > 0 else 0.0)
+        lr, decay = t.tempnet_lr, t.tempnet_weight_decay
+        groups.append(ParamGroup("tempnet", tempnet_params, lr, floor, decay, "tempnet"))
     return groups
 
 

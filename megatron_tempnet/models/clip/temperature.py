@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from megatron_tempnet.models.clip.config import CLIPLossConfig, CLIPTempNetConfig
+from megatron_tempnet.models.clip.config import CLIPLossConfig
 from megatron_tempnet.tempnet.clip import TempNetCLIP
 
 SIDES = ("image", "text")
@@ -37,11 +37,13 @@ class TaUHead(nn.Module):
 
 
 class CLIPTemperature(nn.Module):
-    """The learnable parts of the temperature for ``loss`` (none for sogclr and isogclr)."""
+    """The learnable parts of the temperature for ``loss`` (none for sogclr and isogclr): the
+    model the objective (``CLIPTrainModule``) extends, so they are the model's own parameters
+    (``log_tau``, ``tau_heads.*``, ``tempnets.*``)."""
 
-    def __init__(self, loss: CLIPLossConfig, tempnet: CLIPTempNetConfig, embed_dim: int):
+    def __init__(self, loss: CLIPLossConfig, embed_dim: int):
         super().__init__()
-        self.loss, self.tau_min = loss, tempnet.tau_min
+        self.loss_config = loss
         self.log_tau = None
         self.tau_heads = None
         self.tempnets = None
@@ -52,28 +54,30 @@ class CLIPTemperature(nn.Module):
         if loss.uses_tempnet:
             kw = dict(
                 hidden_size=embed_dim,  # the prototypes live in the embedding space
-                proj_size=tempnet.proj_size,
-                tau_min=tempnet.tau_min,
-                tau_max=tempnet.tau_max,
+                proj_size=loss.tempnet_proj_size,
+                tau_min=loss.tau_min,
+                tau_max=loss.tau_max,
             )
             self.tempnets = nn.ModuleDict({side: TempNetCLIP(embed_dim, **kw) for side in SIDES})
 
     def global_tau(self) -> torch.Tensor:
         """CLIP's learnable tau ``[1]``."""
-        return self.log_tau.float().exp().clamp(min=self.tau_min)
+        return self.log_tau.float().exp().clamp(min=self.loss_config.tau_min)
 
-    def forward(self, side: str, embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def temperature(
+        self, side: str, embeddings: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tau ``[n]`` for ``[n, d]`` normalised embeddings of ``side`` (clip, tau, tempnet), and
         TaU's uncertainty score ``[n]`` (None for the others)."""
         if self.tempnets is not None:  # the input is detached inside
             return self.tempnets[side](embeddings).float(), None
         if self.tau_heads is not None:  # 1 / tau = sigmoid(a) / tau_init
             a = self.tau_heads[side](embeddings)
-            return self.loss.tau_init / torch.sigmoid(a), -a
+            return self.loss_config.tau_init / torch.sigmoid(a), -a
         return self.global_tau().expand(embeddings.shape[0]), None
 
     @torch.no_grad()
-    def init_prototypes(self, image: torch.Tensor, text: torch.Tensor) -> None:
+    def set_prototypes(self, image: torch.Tensor, text: torch.Tensor) -> None:
         """TempNet's prototypes from ``d2`` examples' normalised embeddings: the image TempNet's
         from their texts, the text TempNet's from their images (the paper's initialisation)."""
         if self.tempnets is not None:

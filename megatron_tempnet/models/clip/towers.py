@@ -29,6 +29,7 @@ from megatron_tempnet.models.transformer import (
     TransformerPiece,
     seed_rngs,
     transformer_config,
+    vocab_parallel_embedding,
 )
 
 
@@ -60,14 +61,7 @@ class TextEmbedding(nn.Module):
 
     def __init__(self, model: CLIPModelConfig, config, padded_vocab: int):
         super().__init__()
-        from megatron.core import tensor_parallel
-
-        self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
-            padded_vocab,
-            config.hidden_size,
-            init_method=config.embedding_init_method,
-            config=config,
-        )
+        self.word_embeddings = vocab_parallel_embedding(config, padded_vocab)
         self.position_embeddings = nn.Embedding(model.context_length, config.hidden_size)
         config.embedding_init_method(self.position_embeddings.weight)
 

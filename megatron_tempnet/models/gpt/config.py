@@ -14,6 +14,7 @@ from megatron_tempnet.models.transformer import (
     ModelConfigError,
     TransformerShape,
     padded_vocab_size,
+    preset_fields,
 )
 from megatron_tempnet.utils.flags import derived, option
 
@@ -89,11 +90,7 @@ class ModelConfig(TransformerShape):
     @classmethod
     def from_preset(cls, name: str, **overrides) -> ModelConfig:
         """A preset (``--model``) with the given values (None: the preset's) taking precedence."""
-        if name not in PRESETS:
-            raise ModelConfigError(f"--model {name!r} is not one of {', '.join(PRESETS)}")
-        fields = dict(PRESETS[name])
-        fields.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**fields)
+        return cls(**preset_fields(PRESETS, name, overrides))
 
     def padded_vocab_size(self, tensor_parallel_size: int) -> int:
         return padded_vocab_size(

@@ -27,6 +27,7 @@ from megatron_tempnet.models.transformer import (
     TransformerPiece,
     seed_rngs,
     transformer_config,
+    vocab_parallel_embedding,
 )
 
 
@@ -40,14 +41,7 @@ class WordEmbedding(nn.Module):
 
     def __init__(self, config, vocab_size: int, tied: bool):
         super().__init__()
-        from megatron.core import tensor_parallel
-
-        self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
-            vocab_size,
-            config.hidden_size,
-            init_method=config.embedding_init_method,
-            config=config,
-        )
+        self.word_embeddings = vocab_parallel_embedding(config, vocab_size)
         self.output_layer = _output_layer(config, vocab_size, shared_weight=True) if tied else None
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]):

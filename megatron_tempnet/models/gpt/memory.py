@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.transformer import ModelConfigError
+from megatron_tempnet.tempnet.config import TempNetConfig
 from megatron_tempnet.utils.cli import UserError
 
 GIB = 2**30
@@ -55,8 +56,8 @@ class Layout:
     freeze_lm: bool = False
     recompute_activations: bool = False
     tempnet: bool = True
-    tempnet_hidden_size: int = 256
-    tempnet_proj_size: int = 256
+    tempnet_hidden_size: int = TempNetConfig.tempnet_hidden_size
+    tempnet_proj_size: int = TempNetConfig.tempnet_proj_size
 
     @property
     def micro_batches(self) -> int:

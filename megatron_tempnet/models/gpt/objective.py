@@ -35,8 +35,9 @@ class LossConfigError(UserError, ValueError):
 
 
 @dataclass
-class LossConfig:
-    """What the run optimises and what learns."""
+class LossConfig(TempNetConfig):
+    """What the run optimises: the loss, where tau comes from, and TempNet's settings (its
+    fields come from ``TempNetConfig``)."""
 
     loss: str = option("dro", choices=LOSSES)
     """The per-token loss: the KL-DRO loss of eq. 2 (dro), cross-entropy (ce), or cross-entropy
@@ -46,43 +47,35 @@ class LossConfig:
     (fixed: --fixed-tau), or each token's optimal tau by Newton's method (newton, Baseline 2)."""
     fixed_tau: float = 1.0
     """tau for --tau-source fixed."""
-    freeze_lm: bool = False
-    """Setting (iii): the LM runs without gradients and is not in the optimizer; only TempNet
-    learns."""
 
     @property
     def uses_tempnet(self) -> bool:
         return self.tau_source == "tempnet"
 
-
-def validate_objective(loss: LossConfig, tempnet: TempNetConfig) -> None:
-    """Raise ``LossConfigError`` naming the flags when the objective cannot train."""
-    if loss.loss not in LOSSES:
-        raise LossConfigError(f"--loss {loss.loss!r} is not one of {', '.join(LOSSES)}")
-    if loss.tau_source not in TAU_SOURCES:
-        raise LossConfigError(
-            f"--tau-source {loss.tau_source!r} is not one of {', '.join(TAU_SOURCES)}"
-        )
-    problem = tempnet.range_problem()
-    if problem:
-        raise LossConfigError(problem)
-    if loss.tau_source == "fixed" and not loss.fixed_tau > 0:
-        raise LossConfigError(f"--fixed-tau ({loss.fixed_tau}) must be > 0")
-    if loss.tau_source == "newton" and tempnet.rho == 0:
-        raise LossConfigError("--tau-source newton needs --tempnet-rho > 0 (f decreases in tau)")
-    if loss.loss == "ce" and loss.tau_source == "tempnet":
-        raise LossConfigError(
-            "--loss ce does not use tau, so TempNet would get no gradient: use --loss dro or "
-            "ts-ce with --tau-source tempnet, or --tau-source fixed/newton to only report tau"
-        )
-    if not tempnet.stop_grad and loss.tau_source != "tempnet":
-        raise LossConfigError("--no-tempnet-stop-grad needs --tau-source tempnet")
-    if loss.freeze_lm and not loss.uses_tempnet:
-        raise LossConfigError(
-            "--freeze-lm trains TempNet only: it needs --tau-source tempnet (nothing else learns)"
-        )
-    if loss.freeze_lm and not tempnet.stop_grad:
-        raise LossConfigError("--freeze-lm and --no-tempnet-stop-grad contradict each other")
+    def validate(self) -> None:
+        """Raise ``LossConfigError`` naming the flags when the objective cannot train."""
+        if self.loss not in LOSSES:
+            raise LossConfigError(f"--loss {self.loss!r} is not one of {', '.join(LOSSES)}")
+        if self.tau_source not in TAU_SOURCES:
+            raise LossConfigError(
+                f"--tau-source {self.tau_source!r} is not one of {', '.join(TAU_SOURCES)}"
+            )
+        problem = self.range_problem()
+        if problem:
+            raise LossConfigError(problem)
+        if self.tau_source == "fixed" and not self.fixed_tau > 0:
+            raise LossConfigError(f"--fixed-tau ({self.fixed_tau}) must be > 0")
+        if self.tau_source == "newton" and self.rho == 0:
+            raise LossConfigError(
+                "--tau-source newton needs --tempnet-rho > 0 (f decreases in tau)"
+            )
+        if self.loss == "ce" and self.tau_source == "tempnet":
+            raise LossConfigError(
+                "--loss ce does not use tau, so TempNet would get no gradient: use --loss dro or "
+                "ts-ce with --tau-source tempnet, or --tau-source fixed/newton to only report tau"
+            )
+        if not self.stop_grad and self.tau_source != "tempnet":
+            raise LossConfigError("--no-tempnet-stop-grad needs --tau-source tempnet")
 
 
 @dataclass
@@ -99,7 +92,6 @@ def token_losses(
     logits: torch.Tensor,
     labels: torch.Tensor,
     config: LossConfig,
-    tempnet_config: TempNetConfig,
     *,
     vocab_size: int,
     tempnet: torch.nn.Module | None = None,
@@ -111,7 +103,6 @@ def token_losses(
     Args:
         logits: ``[b, s, V_pad/tp]`` this rank's slice of the output layer (never gathered).
         labels: ``[b, s]`` target ids.
-        tempnet_config: rho (the DRO loss) and tau0 (Newton's lower bound).
         vocab_size: the true vocabulary |C|; padded columns are excluded from every sum.
         tempnet: the ``TempNetLM`` for ``--tau-source tempnet``.
         tau: ``[b, s]`` TempNet's prediction, when it ran already (pipeline's last stage).
@@ -124,8 +115,8 @@ def token_losses(
         with torch.no_grad():
             tau = optimal_tau(
                 logits.detach(),
-                rho=tempnet_config.rho,
-                tau_min=tempnet_config.tau_min,
+                rho=config.rho,
+                tau_min=config.tau_min,
                 vocab_size=vocab_size,
                 tp_group=tp_group,
             )
@@ -133,7 +124,7 @@ def token_losses(
         tau = torch.full(labels.shape, config.fixed_tau, dtype=torch.float32, device=labels.device)
     common = {"vocab_size": vocab_size, "tp_group": tp_group}
     if config.loss == "dro":
-        loss = vocab_parallel_dro_loss(logits, labels, tau, rho=tempnet_config.rho, **common)
+        loss = vocab_parallel_dro_loss(logits, labels, tau, rho=config.rho, **common)
     elif config.loss == "ts-ce":
         loss = temperature_scaled_cross_entropy(logits, labels, tau, **common)
     else:
@@ -174,26 +165,24 @@ class TrainModule(torch.nn.Module):
         lm: torch.nn.Module,
         tempnet: TempNetLM | None,
         loss: LossConfig,
-        tempnet_config: TempNetConfig,
         vocab_size: int,
+        freeze_lm: bool,
         tp_group=None,
     ):
         super().__init__()
         self.lm = lm
         self.tempnet = tempnet
-        self.loss_config, self.tempnet_config = loss, tempnet_config
-        self.vocab_size, self.tp_group = vocab_size, tp_group
+        self.loss_config, self.vocab_size = loss, vocab_size
+        self.freeze_lm, self.tp_group = freeze_lm, tp_group
 
     def forward(self, tokens, position_ids, labels) -> TokenLosses:
         """``[b, s]`` token ids, positions and labels -> per-token loss, CE and tau."""
-        frozen = self.loss_config.freeze_lm
-        with torch.no_grad() if frozen else contextlib.nullcontext():
+        with torch.no_grad() if self.freeze_lm else contextlib.nullcontext():
             logits = self.lm(tokens, position_ids)  # [b, s, V_pad/tp]
         return token_losses(
             logits,
             labels,
             self.loss_config,
-            self.tempnet_config,
             vocab_size=self.vocab_size,
             tempnet=self.tempnet,
             tp_group=self.tp_group,

@@ -28,7 +28,6 @@ from megatron_tempnet.models.gpt.step import (
 )
 from megatron_tempnet.models.transformer import seed_rngs
 from megatron_tempnet.tempnet import TempNetLM
-from megatron_tempnet.tempnet.config import TempNetConfig
 from megatron_tempnet.trainer.pipeline import Pipeline
 from megatron_tempnet.trainer.stats import Statistics, StepStats
 from megatron_tempnet.trainer.step import clip_grad_norm_, compute_device
@@ -53,8 +52,8 @@ class PipelineObjective:
     sums. ``start_step`` and ``start_validation`` reset it.
     """
 
-    def __init__(self, loss: LossConfig, tempnet: TempNetConfig, vocab_size: int, tp_group):
-        self.loss, self.tempnet = loss, tempnet
+    def __init__(self, loss: LossConfig, vocab_size: int, tp_group):
+        self.loss = loss
         self.vocab_size, self.tp_group = vocab_size, tp_group
         self.num_tokens, self.scale = 1.0, 1.0
         self.train_stats = TokenStatistics()
@@ -75,7 +74,6 @@ class PipelineObjective:
             logits,
             labels,
             self.loss,
-            self.tempnet,
             vocab_size=self.vocab_size,
             tau=tau,
             tp_group=self.tp_group,
@@ -94,12 +92,12 @@ class GPTPipeline(Pipeline):
 def build_pipeline(
     model: ModelConfig,
     loss: LossConfig,
-    tempnet: TempNetConfig,
     *,
     tensor_parallel: int,
     pipeline_parallel: int,
     dtype: torch.dtype,
     recompute: bool,
+    freeze_lm: bool,
     seed: int,
     tempnet_kwargs: dict,
     tp_group,
@@ -120,15 +118,15 @@ def build_pipeline(
         topology=PipeModelDataParallelTopology(
             num_pp=pipeline_parallel, num_mp=tensor_parallel, num_dp=data_parallel
         ),
-        loss_fn=PipelineObjective(loss, tempnet, model.vocab_size, tp_group),
+        loss_fn=PipelineObjective(loss, model.vocab_size, tp_group),
         seed_layers=True,
         seed_fn=seed_rngs,
         base_seed=seed,
         partition_method="type:TransformerPiece",
         optional={"tempnet.": "TempNet"},
-        forward_only=loss.freeze_lm,
+        forward_only=freeze_lm,
     )
-    if loss.freeze_lm:
+    if freeze_lm:
         for piece in compat.pipeline_pieces(module):
             if isinstance(piece, nn.Module) and not isinstance(piece, TempNetPiece):
                 piece.requires_grad_(False)

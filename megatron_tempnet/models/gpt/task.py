@@ -20,30 +20,36 @@ from megatron_tempnet.data.loader import DataState, ResumableLoader, dataset_fin
 from megatron_tempnet.data.tokenizers import TokenizerConfig
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.gpt.layers import build_gpt_model
-from megatron_tempnet.models.gpt.objective import LossConfig, TrainModule, validate_objective
+from megatron_tempnet.models.gpt.objective import LossConfig, LossConfigError, TrainModule
 from megatron_tempnet.models.gpt.step import evaluate, train_step
 from megatron_tempnet.models.transformer import seed_rngs
 from megatron_tempnet.tempnet import TempNetLM
-from megatron_tempnet.tempnet.config import TempNetConfig
 from megatron_tempnet.trainer.checkpoint_format import (
     FROZEN_LM_EXCLUDED,
     CheckpointError,
     has_marker,
     latest_tag,
 )
-from megatron_tempnet.trainer.config import ConfigError, RunConfig, validate_run
+from megatron_tempnet.trainer.config import ConfigError, RunConfig, TrainingConfig, validate_run
 from megatron_tempnet.trainer.engine import decay_groups
 from megatron_tempnet.trainer.step import step_max_grad_norm
 from megatron_tempnet.trainer.task import ParamGroup, TaskData, TrainModel
+
+
+@dataclass
+class GPTTrainingConfig(TrainingConfig):
+    freeze_lm: bool = False
+    """Setting (iii): the LM runs without gradients and is in no optimizer group; only TempNet
+    learns."""
 
 
 @dataclass(kw_only=True)
 class GPTRunConfig(RunConfig):
     model: ModelConfig
     loss: LossConfig = field(default_factory=LossConfig)
-    tempnet: TempNetConfig = field(default_factory=TempNetConfig)
     data: GPTDataConfig
     tokenizer: TokenizerConfig
+    training: GPTTrainingConfig
 
 
 def validate_gpt(config: GPTRunConfig, world_size: int) -> None:
@@ -55,8 +61,15 @@ def validate_gpt(config: GPTRunConfig, world_size: int) -> None:
             f"--pipeline-model-parallel-size ({pp})"
         )
     validate_run(config, world_size)
-    validate_objective(config.loss, config.tempnet)
-    config.tempnet.resolve(config.optimizer.lr, config.optimizer.weight_decay)
+    loss = config.loss
+    loss.validate()
+    if config.training.freeze_lm and not loss.uses_tempnet:
+        raise LossConfigError(
+            "--freeze-lm trains TempNet only: it needs --tau-source tempnet (nothing else learns)"
+        )
+    if config.training.freeze_lm and not loss.stop_grad:
+        raise LossConfigError("--freeze-lm and --no-tempnet-stop-grad contradict each other")
+    loss.resolve_optimizer(config.optimizer.lr, config.optimizer.weight_decay)
     config.model.validate(config.parallel.tensor_model_parallel_size)
     if config.model.seq_length != config.data.seq_length:
         raise ConfigError(
@@ -87,11 +100,11 @@ def _dtype(config: RunConfig) -> torch.dtype:
 def tempnet_kwargs(config: GPTRunConfig, tp_group) -> dict:
     """``TempNetLM``'s arguments for this run."""
     tp = config.parallel.tensor_model_parallel_size
-    t = config.tempnet
+    t = config.loss
     return dict(
         vocab_size=config.model.vocab_size,
-        hidden_size=t.hidden_size,
-        proj_size=t.proj_size,
+        hidden_size=t.tempnet_hidden_size,
+        proj_size=t.tempnet_proj_size,
         tau_min=t.tau_min,
         tau_max=t.tau_max,
         padded_vocab_size=config.model.padded_vocab_size(tp),
@@ -129,7 +142,7 @@ class GPTTask:
         else:
             module = self._one_process_module(config, tp_group)
         ckpt = config.checkpoint
-        frozen = config.loss.freeze_lm and ckpt.pretrained_checkpoint is not None
+        frozen = config.training.freeze_lm and ckpt.pretrained_checkpoint is not None
         return TrainModel(
             module,
             self._param_groups(module, config),
@@ -152,7 +165,7 @@ class GPTTask:
             seed_rngs(t.seed + lm.num_specs)  # where a pipeline's last stage builds it
             tempnet = TempNetLM(**tempnet_kwargs(config, tp_group)).to(_dtype(config))
         seed_rngs(t.seed)
-        if config.loss.freeze_lm:
+        if t.freeze_lm:
             lm.requires_grad_(False)
         if config.parallel.zero_stage == 3 and not config.model.untie_embeddings_and_output_weights:
             import deepspeed
@@ -162,9 +175,8 @@ class GPTTask:
             deepspeed.zero.register_external_parameter(
                 lm.embedding.output_layer, lm.embedding.word_embeddings.weight
             )
-        module = TrainModule(
-            lm, tempnet, config.loss, config.tempnet, config.model.vocab_size, tp_group
-        )
+        vocab = config.model.vocab_size
+        module = TrainModule(lm, tempnet, config.loss, vocab, t.freeze_lm, tp_group)
         return module.cuda() if torch.cuda.is_available() else module
 
     def _pipeline_stage(self, config: GPTRunConfig, tp_group):
@@ -174,11 +186,11 @@ class GPTTask:
         return build_pipeline(
             config.model,
             config.loss,
-            config.tempnet,
             tensor_parallel=p.tensor_model_parallel_size,
             pipeline_parallel=p.pipeline_model_parallel_size,
             dtype=_dtype(config),
             recompute=t.recompute_activations,
+            freeze_lm=t.freeze_lm,
             seed=t.seed,
             tempnet_kwargs=tempnet_kwargs(config, tp_group),
             tp_group=tp_group,
@@ -187,7 +199,7 @@ class GPTTask:
     def _param_groups(self, module, config: GPTRunConfig) -> list[ParamGroup]:
         """The LM's groups and TempNet's (every pipeline stage has one: a placeholder where the
         stage holds no TempNet)."""
-        opt, t = config.optimizer, config.tempnet
+        opt, t = config.optimizer, config.loss
         tempnets = [m for m in module.modules() if isinstance(m, TempNetLM)]
         tempnet_params = [p for m in tempnets for p in m.parameters()]
         if config.loss.uses_tempnet and not tempnet_params:
@@ -196,10 +208,9 @@ class GPTTask:
         lm_params = [p for p in module.parameters() if id(p) not in owned]
         groups = decay_groups("lm", lm_params, opt.lr, opt.min_lr, opt.weight_decay)
         if tempnet_params:
-            floor = t.lr * (opt.min_lr / opt.lr if opt.lr > 0 else 0.0)
-            groups.append(
-                ParamGroup("tempnet", tempnet_params, t.lr, floor, t.weight_decay, "tempnet")
-            )
+            floor = t.tempnet_lr * (opt.min_lr / opt.lr if opt.lr > 0 else 0.0)
+            lr, decay = t.tempnet_lr, t.tempnet_weight_decay
+            groups.append(ParamGroup("tempnet", tempnet_params, lr, floor, decay, "tempnet"))
         return groups
 
     def build_step(self, engine, optimizer, config: GPTRunConfig, data: TaskData):
