@@ -20,7 +20,7 @@ from megatron_tempnet.data.loader import DataState, ResumableLoader, dataset_fin
 from megatron_tempnet.data.tokenizers import TokenizerConfig
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.gpt.layers import build_gpt_model
-from megatron_tempnet.models.gpt.objective import LossConfig, LossConfigError, TrainModule
+from megatron_tempnet.models.gpt.objective import LossConfig, TrainModule
 from megatron_tempnet.models.gpt.step import evaluate, train_step
 from megatron_tempnet.models.transformer import seed_rngs
 from megatron_tempnet.tempnet import TempNetLM
@@ -64,11 +64,11 @@ def validate_gpt(config: GPTRunConfig, world_size: int) -> None:
     loss = config.loss
     loss.validate()
     if config.training.freeze_lm and not loss.uses_tempnet:
-        raise LossConfigError(
+        raise ConfigError(
             "--freeze-lm trains TempNet only: it needs --tau-source tempnet (nothing else learns)"
         )
     if config.training.freeze_lm and not loss.stop_grad:
-        raise LossConfigError("--freeze-lm and --no-tempnet-stop-grad contradict each other")
+        raise ConfigError("--freeze-lm and --no-tempnet-stop-grad contradict each other")
     loss.resolve_optimizer(config.optimizer.lr, config.optimizer.weight_decay)
     config.model.validate(config.parallel.tensor_model_parallel_size)
     if config.model.seq_length != config.data.seq_length:
