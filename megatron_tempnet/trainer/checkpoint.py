@@ -19,7 +19,6 @@ import shutil
 
 import torch
 import torch.distributed as dist
-from deepspeed.pipe import PipelineModule
 
 from megatron_tempnet import compat
 from megatron_tempnet.trainer.checkpoint_format import (
@@ -31,7 +30,6 @@ from megatron_tempnet.trainer.checkpoint_format import (
     publish_latest,
     tag_for,
 )
-from megatron_tempnet.trainer.pipeline import Pipeline
 from megatron_tempnet.utils.logging import log_rank0
 
 _FROZEN_NOTE = (
@@ -147,7 +145,7 @@ def load_checkpoint(
         )
     if weights_only:
         _check_weights_source(engine, directory, source, optional)
-    if isinstance(engine.module, Pipeline):
+    if _is_pipeline(engine.module):
         engine.module.weights_only_load = weights_only
     path, client_state = engine.load_checkpoint(
         load_dir,
@@ -175,7 +173,7 @@ def load_checkpoint(
 def _check_layout(engine, directory: str, source: str) -> None:
     """A pipeline checkpoint (one file per layer) loads into a pipeline run only, and back."""
     saved_pipeline = bool(glob.glob(os.path.join(directory, "layer_*-model_states.pt")))
-    running_pipeline = isinstance(engine.module, PipelineModule)
+    running_pipeline = _is_pipeline(engine.module)
     if saved_pipeline != running_pipeline:
         saved = "with" if saved_pipeline else "without"
         flag = "1" if not running_pipeline else "> 1"
@@ -186,6 +184,13 @@ def _check_layout(engine, directory: str, source: str) -> None:
         )
 
 
+def _is_pipeline(module) -> bool:
+    """A pipeline stage (the trainer's ``Pipeline``, DeepSpeed's ``PipelineModule``)."""
+    from deepspeed.pipe import PipelineModule
+
+    return isinstance(module, PipelineModule)
+
+
 def _is_optional(name: str, optional: dict[str, str]) -> bool:
     return any(name.startswith(prefix) for prefix in optional)
 
@@ -194,7 +199,7 @@ def _check_weights_source(engine, directory: str, source: str, optional: dict[st
     """A weights-only load may start the optional parts fresh, never the rest of the model."""
     from megatron.core import parallel_state
 
-    if isinstance(engine.module, PipelineModule):
+    if _is_pipeline(engine.module):
         return _check_pipeline_source(engine.module, directory, source, optional)
     rank = parallel_state.get_tensor_model_parallel_rank()
     path = os.path.join(directory, f"mp_rank_{rank:02d}_model_states.pt")

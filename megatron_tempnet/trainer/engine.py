@@ -57,6 +57,25 @@ def decay_groups(
     ]
 
 
+def model_and_own_groups(
+    module: torch.nn.Module,
+    opt: OptimizerConfig,
+    name: str,
+    own: dict[str, tuple[list, float, float]],
+) -> list[ParamGroup]:
+    """The optimizer groups of a task's module: ``decay_groups(name, ...)`` for every trainable
+    parameter outside ``own``, then one group per entry of ``own`` (``{group: (parameters, peak
+    lr, weight decay)}``) on its own schedule, its floor in the ratio --min-lr / --lr."""
+    owned = {id(p) for params, _, _ in own.values() for p in params}
+    rest = [p for p in module.parameters() if id(p) not in owned]
+    groups = decay_groups(name, rest, opt.lr, opt.min_lr, opt.weight_decay)
+    ratio = opt.min_lr / opt.lr if opt.lr > 0 else 0.0
+    for group, (params, lr, weight_decay) in own.items():
+        if params:
+            groups.append(ParamGroup(group, params, lr, lr * ratio, weight_decay, group))
+    return groups
+
+
 def deepspeed_config(config: RunConfig, world_size: int) -> dict:
     """The DeepSpeed JSON for this run; a --deepspeed-config file is the base, flags win."""
     base: dict = {}

@@ -27,7 +27,7 @@ from megatron_tempnet.models.clip.towers import CLIPModel
 from megatron_tempnet.models.transformer import seed_rngs
 from megatron_tempnet.tempnet.clip import TempNetCLIP
 from megatron_tempnet.trainer.config import ConfigError, OptimizerConfig, RunConfig, validate_run
-from megatron_tempnet.trainer.engine import decay_groups
+from megatron_tempnet.trainer.engine import model_and_own_groups
 from megatron_tempnet.trainer.step import step_max_grad_norm
 from megatron_tempnet.trainer.task import ParamGroup, TaskData, TrainModel
 from megatron_tempnet.utils.flags import option
@@ -241,17 +241,11 @@ def _eval_set(config: CLIPRunConfig, tokenizer, paths: list[str] | None):
 
 def _param_groups(module: CLIPTrainModule, config: CLIPRunConfig) -> list[ParamGroup]:
     """The towers and the temperature's head or global tau (``model``), TempNet's (``tempnet``)."""
-    opt, t = config.optimizer, config.loss
+    t = config.loss
     tempnets = [m for m in module.modules() if isinstance(m, TempNetCLIP)]
     tempnet_params = [p for m in tempnets for p in m.parameters()]
-    owned = {id(p) for p in tempnet_params}
-    model_params = [p for p in module.parameters() if id(p) not in owned]
-    groups = decay_groups("model", model_params, opt.lr, opt.min_lr, opt.weight_decay)
-    if tempnet_params:
-        floor = t.tempnet_lr * (opt.min_lr / opt.lr if opt.lr > 0 else 0.0)
-        lr, decay = t.tempnet_lr, t.tempnet_weight_decay
-        groups.append(ParamGroup("tempnet", tempnet_params, lr, floor, decay, "tempnet"))
-    return groups
+    own = {"tempnet": (tempnet_params, t.tempnet_lr, t.tempnet_weight_decay)}
+    return model_and_own_groups(module, config.optimizer, "model", own)
 
 
 def _init_prototypes(module: CLIPTrainModule, pairs: ImageTextDataset, count: int, seed: int):

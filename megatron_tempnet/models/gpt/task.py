@@ -31,7 +31,7 @@ from megatron_tempnet.trainer.checkpoint_format import (
     latest_tag,
 )
 from megatron_tempnet.trainer.config import ConfigError, RunConfig, TrainingConfig, validate_run
-from megatron_tempnet.trainer.engine import decay_groups
+from megatron_tempnet.trainer.engine import model_and_own_groups
 from megatron_tempnet.trainer.step import step_max_grad_norm
 from megatron_tempnet.trainer.task import ParamGroup, TaskData, TrainModel
 
@@ -199,19 +199,13 @@ class GPTTask:
     def _param_groups(self, module, config: GPTRunConfig) -> list[ParamGroup]:
         """The LM's groups and TempNet's (every pipeline stage has one: a placeholder where the
         stage holds no TempNet)."""
-        opt, t = config.optimizer, config.loss
+        t = config.loss
         tempnets = [m for m in module.modules() if isinstance(m, TempNetLM)]
         tempnet_params = [p for m in tempnets for p in m.parameters()]
-        if config.loss.uses_tempnet and not tempnet_params:
+        if t.uses_tempnet and not tempnet_params:
             tempnet_params = [module.group_placeholder("tempnet")]
-        owned = {id(p) for p in tempnet_params}
-        lm_params = [p for p in module.parameters() if id(p) not in owned]
-        groups = decay_groups("lm", lm_params, opt.lr, opt.min_lr, opt.weight_decay)
-        if tempnet_params:
-            floor = t.tempnet_lr * (opt.min_lr / opt.lr if opt.lr > 0 else 0.0)
-            lr, decay = t.tempnet_lr, t.tempnet_weight_decay
-            groups.append(ParamGroup("tempnet", tempnet_params, lr, floor, decay, "tempnet"))
-        return groups
+        own = {"tempnet": (tempnet_params, t.tempnet_lr, t.tempnet_weight_decay)}
+        return model_and_own_groups(module, config.optimizer, "lm", own)
 
     def build_step(self, engine, optimizer, config: GPTRunConfig, data: TaskData):
         """``step(batches) -> (stats, grad_norm)`` for this layout (one process or a pipeline)."""
