@@ -26,7 +26,8 @@ the global index of its first piece in ``_local_start`` and its process grid in 
 reads its layer files in ``load_state_dir``; the ``PipelineEngine`` maps schedule instructions to
 methods in ``_INSTRUCTION_MAP`` and runs backward in ``_exec_backward_pass``. The accessors,
 ``pipeline_module_base`` and ``last_stage_backward_engine`` below are the only code that touches
-them.
+them (and the module's ``tied_modules``, ``ckpt_layer_path_list`` and the ``ds_pipe_replicated``
+mark it puts on tied copies).
 """
 
 from __future__ import annotations
@@ -137,6 +138,12 @@ def check_deepspeed() -> None:
     _require_assignment(PipelineModule, "__init__", "_grid")
     _require_assignment(PipelineModule, "__init__", "_local_start")
     _require_assignment(PipelineModule, "__init__", "forward_funcs")
+    _require_assignment(PipelineModule, "__init__", "tied_modules")
+    if "ds_pipe_replicated" not in inspect.getsource(PipelineModule):
+        raise UpstreamError(
+            "deepspeed.PipelineModule no longer marks tied copies ds_pipe_replicated: "
+            "megatron_tempnet/compat.py must be updated for the installed version"
+        )
     if not deepspeed.__version__.startswith(SUPPORTED_DEEPSPEED):
         raise UpstreamError(
             f"DeepSpeed {deepspeed.__version__} is installed, the project is written for "
@@ -249,6 +256,21 @@ def pipeline_pieces(module) -> list:
 def pipeline_first_index(module) -> int:
     """The global index (in the model's list of layer specs) of this stage's first piece."""
     return module._local_start
+
+
+def pipeline_tied_modules(module) -> list:
+    """The modules this stage shares with another stage (a tied embedding)."""
+    return list(module.tied_modules.values())
+
+
+def pipeline_layer_files(module, checkpoint: str, local_index: int) -> list[str]:
+    """The layer files of this stage's piece ``local_index`` in a checkpoint directory."""
+    return module.ckpt_layer_path_list(checkpoint, local_index)
+
+
+def is_pipe_replicated(parameter) -> bool:
+    """The second pipeline stage's copy of a tied parameter (counted once in a norm)."""
+    return getattr(parameter, "ds_pipe_replicated", False)
 
 
 def is_stage_writer(module) -> bool:

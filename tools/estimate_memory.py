@@ -25,7 +25,7 @@ from megatron_tempnet.models.gpt.memory import (
 from megatron_tempnet.tempnet.config import TempNetConfig
 from megatron_tempnet.utils.cli import run_tool
 
-DEFAULT_VOCAB = {"llama": 32000, "gpt": 50257}  # LLaMA-2's SentencePiece, GPT-2's BPE
+GPT2_VOCAB = 50257  # GPT-2's BPE, for presets without a vocabulary (LLaMA's have 32000)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,12 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model(args) -> ModelConfig:
-    llama = PRESETS[args.model].get("llama", False)
-    vocab = (
-        args.vocab_size
-        or PRESETS[args.model].get("vocab_size")
-        or DEFAULT_VOCAB["llama" if llama else "gpt"]
-    )
+    vocab = args.vocab_size or PRESETS[args.model].get("vocab_size") or GPT2_VOCAB
     overrides = {
         k: getattr(args, k)
         for k in (

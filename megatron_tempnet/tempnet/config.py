@@ -1,5 +1,6 @@
 """TempNet's settings in one place: its shape, its temperature range, the robust loss's radius and
-how it is optimised. Every field is a ``--tempnet-*`` flag of the training entry points.
+how it is optimised. Every field is a flag of the training entry points (``--tempnet-*``,
+``--no-tempnet-stop-grad``; CLIP derives its width and always stops the gradient).
 
 Each family's loss config extends it (``models.gpt.objective.LossConfig``,
 ``models.clip.config.CLIPLossConfig``), so a run's saved config keeps them in its ``loss``
@@ -44,15 +45,17 @@ class TempNetConfig:
             self.tempnet_weight_decay = weight_decay
 
     def range_problem(self) -> str | None:
-        """The message for a temperature range or radius that cannot work, or None."""
+        """The message for a temperature range that cannot work, or None."""
         if not 0 < self.tau_min < self.tau_max:
             return (
                 f"--tempnet-tau-min ({self.tau_min}) must be > 0 and < --tempnet-tau-max "
                 f"({self.tau_max})"
             )
-        if self.rho < 0:
-            return f"--tempnet-rho ({self.rho}) must be >= 0"
         return None
+
+    def rho_problem(self) -> str | None:
+        """The message for a radius that cannot work, or None."""
+        return f"--tempnet-rho ({self.rho}) must be >= 0" if self.rho < 0 else None
 
 
 TEMPNET_FIELDS = tuple(f.name for f in dataclasses.fields(TempNetConfig))

@@ -138,10 +138,10 @@ def load_checkpoint(
         weights_only = True
     _check_layout(engine, directory, source)
     frozen_excluded = has_marker(directory, FROZEN_LM_EXCLUDED)
-    if frozen_excluded and not frozen_loaded:
+    if frozen_excluded and not frozen_loaded:  # the task names what to add, before this
         raise CheckpointError(
             f"{source}: {tag} holds the trained parameters without the frozen ones: resume it "
-            "with the --pretrained-checkpoint of the run that saved it"
+            "as the run that saved it (with its --pretrained-checkpoint)"
         )
     if weights_only:
         _check_weights_source(engine, directory, source, optional)
@@ -229,7 +229,7 @@ def _check_pipeline_source(module, directory: str, source: str, optional: dict[s
         names = [name for name, _ in piece.named_parameters()]
         if names and all(_is_optional(n, optional) for n in names):
             continue
-        if not module.ckpt_layer_path_list(directory, local):
+        if not compat.pipeline_layer_files(module, directory, local):
             raise CheckpointError(
                 f"{source}: {os.path.basename(directory)} has no file for pipeline layer "
                 f"{local + first}: a checkpoint of another --pipeline-model-parallel-size or "

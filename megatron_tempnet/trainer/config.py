@@ -14,8 +14,9 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+import torch
+
 from megatron_tempnet.utils.cli import UserError
-from megatron_tempnet.utils.flags import option
 
 DEFAULT_WARMUP_FRACTION = 0.01
 """Warmup as a fraction of the decay when neither warmup flag is given (the paper's Table 5)."""
@@ -31,7 +32,7 @@ class ParallelConfig:
     """Ranks that split every layer (attention heads, MLP columns, the vocabulary)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages (DeepSpeed's pipeline engine); the layers are divided evenly."""
-    zero_stage: int = option(0, choices=(0, 1, 2, 3))
+    zero_stage: int = 0
     """DeepSpeed ZeRO stage over the data-parallel ranks (0-1 with pipeline parallelism)."""
     deepspeed_config: str | None = None
     """A DeepSpeed JSON file as the base of the engine's config; the flags given here win."""
@@ -83,6 +84,11 @@ class TrainingConfig:
     """Train in float16 with loss scaling (GPU only)."""
     recompute_activations: bool = False
     """Recompute every layer's activations in the backward pass (less memory, more compute)."""
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """The model's parameter dtype for --bf16 / --fp16 (float32 otherwise)."""
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
 
 
 @dataclass

@@ -71,6 +71,7 @@ def model_and_own_groups(
     groups = decay_groups(name, rest, opt.lr, opt.min_lr, opt.weight_decay)
     ratio = opt.min_lr / opt.lr if opt.lr > 0 else 0.0
     for group, (params, lr, weight_decay) in own.items():
+        params = [p for p in params if p.requires_grad]
         if params:
             groups.append(ParamGroup(group, params, lr, lr * ratio, weight_decay, group))
     return groups

@@ -59,7 +59,7 @@ class Pipeline(compat.pipeline_module_base()):
         """A weights-only load from a checkpoint without the (optional) last piece."""
         what = self._optional_last_piece() if self.weights_only_load else None
         last = len(compat.pipeline_pieces(self)) - 1
-        if what is None or self.ckpt_layer_path_list(load_dir, last):
+        if what is None or compat.pipeline_layer_files(self, load_dir, last):
             return False
         if compat.is_stage_writer(self):  # the last stage's first rank: not rank 0
             get_logger().info(

@@ -14,6 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from megatron_tempnet import compat
 from megatron_tempnet.trainer.config import RunConfig
 from megatron_tempnet.utils.cli import UserError
 
@@ -51,7 +52,7 @@ def clip_grad_norm_(parameters, max_norm: float) -> float:
     counted = [
         p.grad
         for p in params
-        if not getattr(p, "ds_pipe_replicated", False)
+        if not compat.is_pipe_replicated(p)
         and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
     ]
     square = torch.zeros(1, dtype=torch.float64, device=compute_device())

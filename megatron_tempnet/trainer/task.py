@@ -30,7 +30,8 @@ from megatron_tempnet.trainer.stats import StepStats
 class Stateful(Protocol):
     def state_dict(self) -> dict: ...
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def load_state_dict(self, state: dict | None) -> None:
+        """``state`` is None when the checkpoint has none (the implementation says what to do)."""
 
 
 @dataclass

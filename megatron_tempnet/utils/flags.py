@@ -89,16 +89,19 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _unwrap(annotation) -> tuple[type, bool, bool]:
-    """(element type, takes several values, may be None) of a field's type."""
-    optional = False
+def _without_none(annotation):
+    """``X`` for ``X | None``."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        optional, annotation = True, args[0]
-    origin = typing.get_origin(annotation)
-    if origin in (list, tuple):
-        return typing.get_args(annotation)[0], True, optional
-    return annotation, False, optional
+        return next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation
+
+
+def _unwrap(annotation) -> tuple[type, bool]:
+    """(element type, takes several values) of a field's type."""
+    annotation = _without_none(annotation)
+    if typing.get_origin(annotation) in (list, tuple):
+        return typing.get_args(annotation)[0], True
+    return annotation, False
 
 
 def add_flags(
@@ -132,7 +135,7 @@ def add_flags(
 def _argument(
     f: dataclasses.Field, annotation, doc: str, preset: bool, required: bool | None
 ) -> dict:
-    kind, several, _ = _unwrap(annotation)
+    kind, several = _unwrap(annotation)
     has_default = f.default is not dataclasses.MISSING or (
         f.default_factory is not dataclasses.MISSING
     )
@@ -187,16 +190,10 @@ def flag_values(cls: type, args: argparse.Namespace) -> dict:
         if flag is None or not hasattr(args, _dest(flag)):
             continue
         value = getattr(args, _dest(flag))
-        if value is not None and typing.get_origin(_strip_none(hints[f.name])) is tuple:
+        if value is not None and typing.get_origin(_without_none(hints[f.name])) is tuple:
             value = tuple(value)
         values[f.name] = value
     return values
-
-
-def _strip_none(annotation):
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return next(a for a in typing.get_args(annotation) if a is not type(None))
-    return annotation
 
 
 def from_flags(cls: type, args: argparse.Namespace, **values):

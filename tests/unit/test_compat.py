@@ -43,15 +43,19 @@ def test_a_changed_load_signature_fails_loudly(monkeypatch):
 
 
 def _init_without_grid(self, layers):
-    self._local_start, self.forward_funcs = 0, []
+    self._local_start, self.forward_funcs, self.tied_modules = 0, [], {}
 
 
 def _init_without_local_start(self, layers):
-    self._grid, self.forward_funcs = None, []
+    self._grid, self.forward_funcs, self.tied_modules = None, [], {}
 
 
 def _init_without_forward_funcs(self, layers):
-    self._grid, self._local_start = None, 0
+    self._grid, self._local_start, self.tied_modules = None, 0, {}
+
+
+def _init_without_tied_modules(self, layers):
+    self._grid, self._local_start, self.forward_funcs = None, 0, []
 
 
 @pytest.mark.parametrize(
@@ -60,6 +64,7 @@ def _init_without_forward_funcs(self, layers):
         ("_grid", _init_without_grid),
         ("_local_start", _init_without_local_start),
         ("forward_funcs", _init_without_forward_funcs),
+        ("tied_modules", _init_without_tied_modules),
     ],
 )
 def test_a_renamed_module_attribute_fails_loudly(monkeypatch, attribute, init):

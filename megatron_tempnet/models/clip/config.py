@@ -212,3 +212,5 @@ class CLIPLossConfig(CLIPTempNetConfig):
             )
         if not 0 < self.gamma <= 1:
             raise CLIPLossConfigError(f"--sogclr-gamma ({self.gamma}) must be in (0, 1]")
+        if self.rho_problem():
+            raise CLIPLossConfigError(self.rho_problem())

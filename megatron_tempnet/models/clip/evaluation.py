@@ -4,7 +4,7 @@ Every data-parallel rank encodes every ``dp``-th sample of an evaluation set (al
 ranks of a group the same ones), and the embeddings are all-gathered into dataset order, so
 every rank computes the same metrics:
 
-- retrieval: IR@1/5/10 and TR@1/5/10 (``clip_metrics.retrieval_recalls``); with labels, a
+- retrieval: IR@1/5/10 and TR@1/5/10 (``metrics.retrieval_recalls``); with labels, a
   retrieved item is correct when it carries the query's label (COCO: the image id; a class
   name for datasets whose captions describe the class only);
 - zero-shot classification with prompt templates over the labels as class names (top-1/top-5);

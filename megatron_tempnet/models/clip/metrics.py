@@ -1,6 +1,6 @@
 """Zero-shot metrics for CLIP models on embeddings: retrieval, classification, AUROC, tau.
 
-Pure tensor math on local tensors (no model, no process group); ``clip_evaluation`` gathers the
+Pure tensor math on local tensors (no model, no process group); ``evaluation`` gathers the
 embeddings and feeds them here. Every ranking metric uses one deterministic order: candidates
 sorted by descending score, equal scores by ascending index (a stable sort), so a metric never
 depends on how a kernel breaks ties.

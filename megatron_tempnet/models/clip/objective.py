@@ -45,7 +45,7 @@ class CLIPOutput:
     """``[2b]`` TaU's uncertainty score ``-a`` (``--clip-loss tau``)."""
 
 
-class CLIPTrainModule(CLIPTemperature):
+class CLIPTrainModule(CLIPTemperature, nn.Module):
     """The towers and the temperature (the model's own parameters, ``CLIPTemperature``), as one
     module for the DeepSpeed engine.
 
@@ -54,8 +54,9 @@ class CLIPTrainModule(CLIPTemperature):
     """
 
     def __init__(self, clip: nn.Module, loss: CLIPLossConfig, *, dp_group=None):
-        super().__init__(loss, clip.config.embed_dim)
+        nn.Module.__init__(self)
         self.clip, self.dp_group = clip, dp_group
+        self.init_temperature(loss, clip.config.embed_dim)
 
     @torch.no_grad()
     def init_prototypes(self, images, tokens, lengths) -> None:

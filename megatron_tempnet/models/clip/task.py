@@ -174,7 +174,7 @@ class CLIPTask:
         from megatron.core import parallel_state
 
         t = config.training
-        dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
+        dtype = t.params_dtype
         clip = CLIPModel(
             config.model,
             tensor_parallel_size=config.parallel.tensor_model_parallel_size,

@@ -36,13 +36,13 @@ class TaUHead(nn.Module):
         return self.linear(embeddings.to(self.linear.weight.dtype))[:, 0].float()
 
 
-class CLIPTemperature(nn.Module):
-    """The learnable parts of the temperature for ``loss`` (none for sogclr and isogclr): the
-    model the objective (``CLIPTrainModule``) extends, so they are the model's own parameters
-    (``log_tau``, ``tau_heads.*``, ``tempnets.*``)."""
+class CLIPTemperature:
+    """The temperature, for a model that mixes it in (``CLIPTrainModule``): its learnable parts
+    for ``loss`` (none for sogclr and isogclr) become the model's own parameters (``log_tau``,
+    ``tau_heads.*``, ``tempnets.*``), registered after the towers."""
 
-    def __init__(self, loss: CLIPLossConfig, embed_dim: int):
-        super().__init__()
+    def init_temperature(self, loss: CLIPLossConfig, embed_dim: int) -> None:
+        """Register the temperature's parameters on this ``nn.Module``."""
         self.loss_config = loss
         self.log_tau = None
         self.tau_heads = None

@@ -60,7 +60,7 @@ class LossConfig(TempNetConfig):
             raise LossConfigError(
                 f"--tau-source {self.tau_source!r} is not one of {', '.join(TAU_SOURCES)}"
             )
-        problem = self.range_problem()
+        problem = self.range_problem() or self.rho_problem()
         if problem:
             raise LossConfigError(problem)
         if self.tau_source == "fixed" and not self.fixed_tau > 0:

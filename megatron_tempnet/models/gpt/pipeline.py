@@ -130,14 +130,10 @@ def build_pipeline(
         for piece in compat.pipeline_pieces(module):
             if isinstance(piece, nn.Module) and not isinstance(piece, TempNetPiece):
                 piece.requires_grad_(False)
-        for tied in module.tied_modules.values():
+        for tied in compat.pipeline_tied_modules(module):
             tied.requires_grad_(False)
     seed_rngs(seed)  # dropout streams do not depend on which pieces this stage built
     return module
-
-
-def stage_has_tempnet(module: GPTPipeline) -> bool:
-    return any(isinstance(piece, TempNetPiece) for piece in compat.pipeline_pieces(module))
 
 
 class NormRecorder:

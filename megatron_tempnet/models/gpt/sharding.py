@@ -1,7 +1,7 @@
 """How the language model's tensors are split over tensor-parallel ranks, and back.
 
 A *full* tensor is the one-process (TP = 1) tensor with the vocabulary unpadded (true vocabulary
-rows only); a *shard* is what one TP rank holds in ``GPTStack`` (``gpt_layers``):
+rows only); a *shard* is what one TP rank holds in ``GPTStack`` (``layers``):
 
     word_embeddings.weight, output_layer.weight   rows (vocabulary), padded to V_pad = multiple
                                                   of make_vocab_size_divisible_by x TP

@@ -62,13 +62,13 @@ def validate_gpt(config: GPTRunConfig, world_size: int) -> None:
         )
     validate_run(config, world_size)
     loss = config.loss
-    loss.validate()
     if config.training.freeze_lm and not loss.uses_tempnet:
         raise ConfigError(
             "--freeze-lm trains TempNet only: it needs --tau-source tempnet (nothing else learns)"
         )
     if config.training.freeze_lm and not loss.stop_grad:
         raise ConfigError("--freeze-lm and --no-tempnet-stop-grad contradict each other")
+    loss.validate()
     loss.resolve_optimizer(config.optimizer.lr, config.optimizer.weight_decay)
     config.model.validate(config.parallel.tensor_model_parallel_size)
     if config.model.seq_length != config.data.seq_length:
@@ -80,21 +80,23 @@ def validate_gpt(config: GPTRunConfig, world_size: int) -> None:
 
 
 def _check_frozen_checkpoint(config: GPTRunConfig) -> None:
-    """A checkpoint without the frozen LM resumes only with the LM's --pretrained-checkpoint."""
+    """A checkpoint without the frozen LM resumes only as the run that saved it did."""
     ckpt = config.checkpoint
     tag = latest_tag(ckpt.load) if ckpt.load else None
-    if tag is None or ckpt.pretrained_checkpoint or ckpt.finetune:
+    if tag is None or not has_marker(os.path.join(ckpt.load, tag), FROZEN_LM_EXCLUDED):
         return
-    if has_marker(os.path.join(ckpt.load, tag), FROZEN_LM_EXCLUDED):
+    if not _frozen_from_pretrained(config):
         raise CheckpointError(
             f"--load {ckpt.load}: {tag} holds TempNet without the frozen LM: resume it with "
             "--freeze-lm --pretrained-checkpoint <the LM's checkpoint> (as the run that saved it)"
         )
 
 
-def _dtype(config: RunConfig) -> torch.dtype:
-    t = config.training
-    return torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
+def _frozen_from_pretrained(config: GPTRunConfig) -> bool:
+    """The frozen LM is read from --pretrained-checkpoint and left out of the checkpoints
+    (ZeRO-3 keeps every parameter in its partitions: those checkpoints stay whole)."""
+    frozen = config.training.freeze_lm and config.checkpoint.pretrained_checkpoint is not None
+    return frozen and config.parallel.zero_stage < 3
 
 
 def tempnet_kwargs(config: GPTRunConfig, tp_group) -> dict:
@@ -141,14 +143,11 @@ class GPTTask:
             module = self._pipeline_stage(config, tp_group)
         else:
             module = self._one_process_module(config, tp_group)
-        ckpt = config.checkpoint
-        frozen = config.training.freeze_lm and ckpt.pretrained_checkpoint is not None
         return TrainModel(
             module,
             self._param_groups(module, config),
             optional={"tempnet.": "TempNet"},
-            # ZeRO-3 keeps every parameter in its partitions: those checkpoints stay whole
-            frozen_from_pretrained=frozen and config.parallel.zero_stage < 3,
+            frozen_from_pretrained=_frozen_from_pretrained(config),
         )
 
     def _one_process_module(self, config: GPTRunConfig, tp_group) -> TrainModule:
@@ -156,14 +155,14 @@ class GPTTask:
         lm = build_gpt_model(
             config.model,
             tensor_parallel_size=tp,
-            params_dtype=_dtype(config),
+            params_dtype=config.training.params_dtype,
             recompute_activations=t.recompute_activations,
             seed=t.seed,
         )
         tempnet = None
         if config.loss.uses_tempnet:
             seed_rngs(t.seed + lm.num_specs)  # where a pipeline's last stage builds it
-            tempnet = TempNetLM(**tempnet_kwargs(config, tp_group)).to(_dtype(config))
+            tempnet = TempNetLM(**tempnet_kwargs(config, tp_group)).to(config.training.params_dtype)
         seed_rngs(t.seed)
         if t.freeze_lm:
             lm.requires_grad_(False)
@@ -188,7 +187,7 @@ class GPTTask:
             config.loss,
             tensor_parallel=p.tensor_model_parallel_size,
             pipeline_parallel=p.pipeline_model_parallel_size,
-            dtype=_dtype(config),
+            dtype=config.training.params_dtype,
             recompute=t.recompute_activations,
             freeze_lm=t.freeze_lm,
             seed=t.seed,
