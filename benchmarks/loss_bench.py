@@ -30,11 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import time
 
+import common
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -70,37 +70,6 @@ class DenseTempNet(nn.Module):
         att = torch.softmax(u / self.log_phi.exp(), -1) - 1.0 / u.shape[-1]
         s = (att * self.w3 * u).sum(-1) - self.b
         return (self.tau_max - self.tau_min) * torch.sigmoid(s) + self.tau_min
-
-
-class Memory:
-    """Peak memory above a baseline, on CPU (process RSS high-water mark) or GPU."""
-
-    def __init__(self, device):
-        self.device = device
-
-    @staticmethod
-    def _status_kb(key):
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1])
-        raise RuntimeError(f"{key} missing from /proc/self/status")
-
-    def start(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM to the current RSS
-            self.base = self._status_kb("VmRSS") * 1024
-
-    def peak_mb(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            return (torch.cuda.max_memory_allocated() - self.base) / 2**20
-        return (self._status_kb("VmHWM") * 1024 - self.base) / 2**20
 
 
 def _setup(device, tokens, hidden, vocab, tp, rank):
@@ -188,7 +157,7 @@ def _measure_once(reset, inputs, step, memory, device):
 
 def _measure_cases(steps, device, reps, warmup):
     """Round-robin over the cases, so that drift of the machine hits every case alike."""
-    memory = Memory(device)
+    memory = common.Memory(device)
     times = {case: [] for case in steps}
     peaks = {case: [] for case in steps}
     for i in range(warmup + reps):
@@ -273,20 +242,6 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _machine(device):
-    if device == "cuda":
-        return torch.cuda.get_device_name(0)
-    model = "unknown CPU"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return (
-        f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
-    )
 
 
 def _with_ratios(rows):
@@ -380,12 +335,7 @@ def main():
             rows.extend(_spawn(tp, args, "both", {}))
             continue
         # glibc returning every tensor of 1 MiB or more to the OS: RSS follows live memory.
-        memory = _spawn(
-            tp,
-            args,
-            "memory",
-            {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 20)},
-        )
+        memory = _spawn(tp, args, "memory", common.GLIBC_RETURNS_MEMORY)
         if tp > (os.cpu_count() or 1):  # ranks would share cores: no meaningful time
             for row in memory:
                 row["time_ms"] = None
@@ -396,7 +346,7 @@ def main():
             row["peak_mb"] = mem["peak_mb"]
             rows.append(row)
     rows = _with_ratios(rows)
-    machine = _machine(args.device)
+    machine = common.machine(args.device)
     _print_table(rows, args, machine)
     if any(r["oversubscribed"] for r in rows):
         print("-: more TP ranks than CPU cores, so no time is measured (memory is)")

@@ -28,6 +28,13 @@ methods in ``_INSTRUCTION_MAP`` and runs backward in ``_exec_backward_pass``. Th
 ``pipeline_module_base`` and ``last_stage_backward_engine`` below are the only code that touches
 them (and the module's ``tied_modules``, ``ckpt_layer_path_list`` and the ``ds_pipe_replicated``
 mark it puts on tied copies).
+
+**Float32 islands under --bf16 / --fp16.** DeepSpeed's engine casts every parameter of the model
+to the training dtype in ``_cast_module_mixed_precision``. ``engine_class`` gives the engine
+(plain, pipeline, or last-stage-backward pipeline) whose cast leaves the parameters marked by
+``utils.precision.keep_float32`` (TempNet, CLIP's temperature) in float32; DeepSpeed's bf16/fp16
+optimizers and ZeRO 1-2 step them in float32 from then on. ZeRO-3 keeps one dtype for all
+parameters, so there the mark is not honoured (TempNet still computes in float32).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import inspect
 import torch
 
 from megatron_tempnet.utils.logging import get_logger
+from megatron_tempnet.utils.precision import is_float32_island
 
 SUPPORTED_MEGATRON_CORE = "0.16."
 SUPPORTED_DEEPSPEED = "0.19."
@@ -131,6 +139,19 @@ def check_deepspeed() -> None:
                 f"{owner}._INSTRUCTION_MAP no longer maps schedule.{instruction}: "
                 "megatron_tempnet/compat.py must be updated for the installed version"
             )
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    owner = "deepspeed.DeepSpeedEngine"
+    params = ("param_dtype", "buffer_dtype", "is_zero_init_model")
+    _require(DeepSpeedEngine, "_cast_module_mixed_precision", params, owner=owner)
+    if "_cast_module_mixed_precision" not in inspect.getsource(
+        DeepSpeedEngine._configure_distributed_model
+    ):
+        raise UpstreamError(
+            f"{owner}._configure_distributed_model no longer casts the model through "
+            "_cast_module_mixed_precision: megatron_tempnet/compat.py must be updated for the "
+            "installed version"
+        )
     owner = "deepspeed.PipelineModule"
     params = ("load_dir", "checkpoint_engine", "strict")
     _require(PipelineModule, "load_state_dir", params, owner=owner)
@@ -333,3 +354,29 @@ def last_stage_backward_engine() -> type:
         }
 
     return LastStageBackwardEngine
+
+
+@functools.cache
+def engine_class(pipeline: bool = False, last_stage_backward: bool = False) -> type:
+    """DeepSpeed's engine (``PipelineEngine`` for a pipeline, ``last_stage_backward_engine`` for
+    a forward-only one) that keeps the float32 islands' parameters float32 under bf16/fp16."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if last_stage_backward:
+        base = last_stage_backward_engine()
+    else:
+        base = PipelineEngine if pipeline else DeepSpeedEngine
+
+    class Float32IslandEngine(base):
+        def _cast_module_mixed_precision(self, *args, **kwargs):
+            kept = {}
+            if self.zero_optimization_stage() < 3:  # ZeRO-3 flattens one dtype
+                kept = {id(p): p.data for p in self.module.parameters() if is_float32_island(p)}
+            super()._cast_module_mixed_precision(*args, **kwargs)
+            for p in self.module.parameters():
+                if id(p) in kept:
+                    p.data = kept[id(p)]
+
+    Float32IslandEngine.__name__ = f"Float32Island{base.__name__}"
+    return Float32IslandEngine

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_tempnet.models.attention import ATTENTION_BACKENDS
 from megatron_tempnet.models.gpt.config import PRESETS, ModelConfig
 from megatron_tempnet.models.gpt.memory import (
     GIB,
@@ -52,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument("--fp16", action="store_true")
     p.add_argument("--freeze-lm", action="store_true", help="TempNet only (the LM is frozen)")
     p.add_argument("--recompute-activations", action="store_true")
+    p.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="the run's core attention (default: %(default)s, fused; unfused keeps the "
+        "[b, heads, s, s] softmax)",
+    )
     p.add_argument("--no-tempnet", action="store_true", help="--loss ce / a fixed tau")
     p.add_argument("--tempnet-hidden-size", type=int, default=TempNetConfig.tempnet_hidden_size)
     p.add_argument("--tempnet-proj-size", type=int, default=TempNetConfig.tempnet_proj_size)
@@ -72,7 +80,9 @@ def _model(args) -> ModelConfig:
             "seq_length",
         )
     }
-    model = ModelConfig.from_preset(args.model, **overrides, vocab_size=vocab)
+    model = ModelConfig.from_preset(
+        args.model, **overrides, vocab_size=vocab, attention_backend=args.attention_backend
+    )
     model.max_position_embeddings = max(model.max_position_embeddings, model.seq_length)
     return model
 
@@ -111,6 +121,7 @@ def report(model: ModelConfig, layout: Layout, gpu_gb: float) -> str:
     options = (
         ("--freeze-lm", lay.freeze_lm),
         ("--recompute-activations", lay.recompute_activations),
+        ("--attention-backend unfused", model.attention_backend == "unfused"),
     )
     flags = [flag for flag, on in options if on]
     sizes = {

@@ -13,6 +13,7 @@ from megatron_tempnet.inference.model import (
     init_inference,
     load_inference_model,
 )
+from megatron_tempnet.models.attention import ATTENTION_BACKENDS
 from megatron_tempnet.utils.flags import add_flags, from_flags
 
 
@@ -37,6 +38,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="processes to split the model over (launch that many with torchrun)",
     )
     g.add_argument("--bf16", action="store_true", help="run the LM in bfloat16")
+    g.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="core attention: auto = PyTorch's fused scaled_dot_product_attention, unfused = "
+        "megatron-core's DotProductAttention (default: %(default)s)",
+    )
     # default: the tokenizer saved with the checkpoint
     add_flags(parser, TokenizerConfig, "tokenizer", required=False)
 
@@ -52,6 +60,7 @@ def load_from_args(args: argparse.Namespace) -> tuple[InferenceModel, object]:
         tempnet_dir=args.tempnet,
         tau_max_eval=args.tau_max_eval,
         dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        attention_backend=args.attention_backend,
     )
     if args.tokenizer_type:
         tokenizer = from_flags(TokenizerConfig, args).build()

@@ -54,7 +54,7 @@ def score_tokens(
         if fixed_tau is not None:
             tau = torch.full(targets.shape, float(fixed_tau), device=device)
         else:
-            tau = model.tempnet(logits.to(model.tempnet.weight1.dtype)).float()
+            tau = model.tempnet(logits)
         common = {"vocab_size": model.vocab_size, "tp_group": model.tp_group}
         ce = temperature_scaled_cross_entropy(logits, targets, 1.0, **common)
         tllm = temperature_scaled_cross_entropy(logits, targets, tau, **common)

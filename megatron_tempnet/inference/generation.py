@@ -80,7 +80,7 @@ def generate(
 def _tau(model: InferenceModel, logits: torch.Tensor, fixed_tau: float | None) -> torch.Tensor:
     if fixed_tau is not None:
         return torch.full(logits.shape[:1], float(fixed_tau), device=logits.device)
-    return model.tempnet(logits.to(model.tempnet.weight1.dtype)).float()
+    return model.tempnet(logits)
 
 
 def token_texts(detokenize, token_ids: list[int], prompt: list[int] | None = None) -> list[str]:

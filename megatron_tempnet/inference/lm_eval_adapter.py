@@ -10,7 +10,8 @@ call ``lm_eval.simple_evaluate(model="megatron_tempnet", model_args=...)``.
 Model arguments: ``load`` (checkpoint, any saved layout), ``tempnet`` (an exported TempNet),
 ``fixed_tau`` (instead of TempNet), ``tau_max_eval``, ``pretrained_checkpoint``, the tokenizer
 flags ``tokenizer_type``, ``tokenizer_model``, ``vocab_file``, ``merge_file`` (default: the
-checkpoint's), ``max_length`` (default: the model's positions), ``bf16``. One process (TP = 1).
+checkpoint's), ``max_length`` (default: the model's positions), ``bf16``, ``attention_backend``.
+One process (TP = 1).
 Every continuation token is scored with ``log softmax(L / tau)``, tau predicted by TempNet from
 the same position's logits (the paper's T-LLM); ``is_greedy`` compares with ``argmax L``.
 """
@@ -45,6 +46,7 @@ class MegatronTempNetLM(TemplateLM):
         merge_file: str | None = None,
         max_length: int | None = None,
         bf16: bool = False,
+        attention_backend: str = "auto",
         **_ignored,
     ):
         super().__init__()
@@ -56,6 +58,7 @@ class MegatronTempNetLM(TemplateLM):
             tau_max_eval=None if tau_max_eval is None else float(tau_max_eval),
             tensor_model_parallel_size=1,
             bf16=bool(bf16),
+            attention_backend=attention_backend,
             tokenizer_type=tokenizer_type,
             tokenizer_model=tokenizer_model,
             vocab_file=vocab_file,

@@ -8,6 +8,7 @@ TempNet comes from the checkpoint, or from an exported directory (``--tempnet``)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -83,8 +84,10 @@ def load_inference_model(
     tempnet_dir: str | None = None,
     tau_max_eval: float | None = None,
     dtype: torch.dtype = torch.float32,
+    attention_backend: str = "auto",
 ) -> InferenceModel:
-    """The model of ``load_dir`` at the current TP size (``init_inference`` first).
+    """The model of ``load_dir`` at the current TP size (``init_inference`` first), its
+    attention on ``attention_backend`` (``--attention-backend``).
 
     A frozen-LM run's checkpoint holds TempNet only: the LM then comes from
     ``pretrained_checkpoint`` (default: the one that run was started with).
@@ -106,8 +109,9 @@ def load_inference_model(
                 f"--load {load_dir}: holds TempNet without the LM: add --pretrained-checkpoint"
             )
         lm_reader = CheckpointReader(source, "--pretrained-checkpoint")
-    model = lm_reader.model
-    lm = build_gpt_model(model, tensor_parallel_size=tp, params_dtype=dtype)
+    model = dataclasses.replace(lm_reader.model, attention_backend=attention_backend)
+    # also the pieces megatron-core does not build (GPT-2's learned positions)
+    lm = build_gpt_model(model, tensor_parallel_size=tp, params_dtype=dtype).to(dtype)
     padded = model.padded_vocab_size(tp)
     names = [n for n in lm_names(model) if not n.endswith("_extra_state")]
     state = {

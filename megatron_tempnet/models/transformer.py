@@ -1,10 +1,12 @@
 """What every model family builds its transformers from: megatron-core's layers on the local spec.
 
-``TransformerShape`` is a transformer stack's architecture (Megatron-LM's flag names);
-``transformer_config`` turns one into megatron-core's ``TransformerConfig`` (CPU-safe: no fused
-kernels). ``TransformerPiece`` is one ``TransformerLayer`` and ``FinalNorm`` the norm after the
-last one. Every piece of a model is built right after ``seed_rngs(base_seed + its index)``, so the
-weights do not depend on the parallel layout (on CPU), whatever stage or process builds it.
+``TransformerShape`` is a transformer stack's architecture (Megatron-LM's flag names) and
+``TransformerImpl`` how its layers compute (the attention backend, megatron-core's fusions);
+``transformer_config`` turns both into megatron-core's ``TransformerConfig`` and ``layer_spec``
+(``models.attention``) gives the layers. ``TransformerPiece`` is one ``TransformerLayer`` and
+``FinalNorm`` the norm after the last one. Every piece of a model is built right after
+``seed_rngs(base_seed + its index)``, so the weights do not depend on the parallel layout (on
+CPU), whatever stage or process builds it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megatron_tempnet.models.attention import ATTENTION_BACKENDS
 from megatron_tempnet.utils.cli import UserError
 from megatron_tempnet.utils.flags import option
 
@@ -24,7 +27,25 @@ class ModelConfigError(UserError, ValueError):
 
 
 @dataclass
-class TransformerShape:
+class TransformerImpl:
+    """How the layers compute; none of it changes the model's function (checked for parity)."""
+
+    attention_backend: str = option("auto", choices=ATTENTION_BACKENDS)
+    """Core attention: auto = PyTorch's fused scaled_dot_product_attention (flash /
+    memory-efficient kernels on a GPU, the fused CPU kernel on a CPU; no [b, heads, s, s]
+    softmax kept for the backward pass); unfused = megatron-core's DotProductAttention."""
+    bias_swiglu_fusion: bool = option(True, name="--no-bias-swiglu-fusion")
+    """The flag turns off megatron-core's fused bias + SwiGLU (torch.compile'd)."""
+    bias_gelu_fusion: bool = option(True, name="--no-bias-gelu-fusion")
+    """The flag turns off megatron-core's fused bias + GELU (torch.compile'd; it computes GELU's
+    tanh approximation, so it is used with --openai-gelu only)."""
+    bias_dropout_fusion: bool = option(True, name="--no-bias-dropout-fusion")
+    """The flag turns off megatron-core's fused bias + dropout + residual add
+    (torch.compile'd)."""
+
+
+@dataclass
+class TransformerShape(TransformerImpl):
     """A stack of transformer layers (the architecture flags every family shares)."""
 
     num_layers: int = 2
@@ -90,6 +111,11 @@ class TransformerShape:
                 self.normalization in ("LayerNorm", "RMSNorm"),
                 f"--normalization {self.normalization!r}: expected LayerNorm or RMSNorm",
             ),
+            (
+                self.attention_backend in ATTENTION_BACKENDS,
+                f"--attention-backend {self.attention_backend!r}: expected "
+                + " or ".join(ATTENTION_BACKENDS),
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -117,14 +143,23 @@ def transformer_config(
     tensor_parallel_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
 ):
-    """megatron-core's ``TransformerConfig`` for ``shape`` (CPU-safe: no fused kernels).
+    """megatron-core's ``TransformerConfig`` for ``shape``.
 
     The config has no pipeline split: pipeline stages are DeepSpeed's, and every layer gets its
-    global layer number directly.
+    global layer number directly. The fusions that need neither apex nor Transformer Engine are
+    on as ``shape`` asks (bias + SwiGLU, bias + tanh-GELU, bias + dropout + add; each computes
+    the unfused function); the masked-softmax, RoPE, persistent-LayerNorm and
+    gradient-accumulation fusions need apex or Transformer Engine and stay off.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     shape.validate(tensor_parallel_size)
+    fused_swiglu = shape.swiglu and shape.bias_swiglu_fusion
+    # megatron-core's fused bias-GELU is the tanh approximation: it stands in for
+    # ``--openai-gelu`` (and needs the bias), never for the exact erf GELU
+    fused_gelu = (
+        shape.openai_gelu and not shape.swiglu and shape.add_bias_linear and shape.bias_gelu_fusion
+    )
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -134,7 +169,7 @@ def transformer_config(
         normalization=shape.normalization,
         layernorm_epsilon=shape.norm_epsilon,
         gated_linear_unit=shape.swiglu,
-        activation_func=_activation(shape),
+        activation_func=torch.nn.functional.gelu if fused_gelu else _activation(shape),
         add_bias_linear=shape.add_bias_linear,
         init_method_std=shape.init_method_std,
         hidden_dropout=shape.hidden_dropout,
@@ -147,8 +182,8 @@ def transformer_config(
         # on CPU the full weights are drawn then split, so every TP layout starts from the same
         # model; on GPU each rank initialises its own shard in place (Megatron-LM's behaviour)
         use_cpu_initialization=not torch.cuda.is_available(),
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
+        bias_activation_fusion=fused_swiglu or fused_gelu,
+        bias_dropout_fusion=shape.bias_dropout_fusion,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,

@@ -26,6 +26,7 @@ from megatron_tempnet.tempnet.layers import (
     bounded_temperature,
     check_tau_range,
 )
+from megatron_tempnet.utils.precision import f32, keep_float32
 
 
 class TempNetCLIP(nn.Module):
@@ -64,6 +65,7 @@ class TempNetCLIP(nn.Module):
         self.prototypes = nn.Parameter(torch.empty(hidden_size, proj_size))  # W2, d1 x d2
         self.pooling = ParameterisedPooling(proj_size, phi_init)
         self.reset_parameters()
+        keep_float32(self)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -88,10 +90,12 @@ class TempNetCLIP(nn.Module):
         self.prototypes.copy_(other_modality.t())
 
     def forward(self, embeddings: torch.Tensor, tau_max: float | None = None) -> torch.Tensor:
-        """``[n, d0]`` normalised embeddings (detached here) -> ``[n]`` tau."""
-        e = embeddings.detach().to(self.weight1.dtype)
-        v = torch.sigmoid(e @ self.weight1.t() + self.bias1)  # [n, d1]
-        prototypes = self.prototypes / self.prototypes.norm(dim=0, keepdim=True).clamp_min(1e-12)
+        """``[n, d0]`` normalised embeddings (detached here) -> ``[n]`` tau (float32)."""
+        # float32 whatever the towers' dtype (utils.precision)
+        e = f32(embeddings.detach())
+        v = torch.sigmoid(e @ f32(self.weight1).t() + f32(self.bias1))  # [n, d1]
+        w2 = f32(self.prototypes)
+        prototypes = w2 / w2.norm(dim=0, keepdim=True).clamp_min(1e-12)
         u = v @ prototypes  # [n, d2], the prototypical logits
         return bounded_temperature(
             self.pooling(u), self.tau_min, self.tau_max if tau_max is None else tau_max

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from megatron_tempnet.utils.precision import f32
+
 
 class ParameterisedPooling(nn.Module):
     """Pool prototypical logits ``u`` into one score, mimicking Lemma 5.1 (Section 5):
@@ -29,9 +31,10 @@ class ParameterisedPooling(nn.Module):
         self.log_phi = nn.Parameter(torch.full((1,), math.log(phi_init)))
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
-        """``u [..., d2]`` -> ``s [...]``."""
-        attention = torch.softmax(u / self.log_phi.exp(), dim=-1) - 1.0 / u.shape[-1]
-        return (attention * self.w3 * u).sum(dim=-1) - self.bias
+        """``u [..., d2]`` -> ``s [...]``, in float32."""
+        u = f32(u)
+        attention = torch.softmax(u / f32(self.log_phi).exp(), dim=-1) - 1.0 / u.shape[-1]
+        return (attention * f32(self.w3) * u).sum(dim=-1) - f32(self.bias)
 
 
 def bounded_temperature(s: torch.Tensor, tau_min: float, tau_max: float) -> torch.Tensor:

@@ -24,6 +24,7 @@ from megatron_tempnet.tempnet.layers import (
     check_tau_range,
 )
 from megatron_tempnet.tempnet.parallel_input import normalised_parallel_linear
+from megatron_tempnet.utils.precision import f32, keep_float32
 
 
 def _kaiming_uniform_(weight: torch.Tensor, fan_in: int, generator=None) -> torch.Tensor:
@@ -103,6 +104,7 @@ class TempNetLM(nn.Module):
         self.weight1.partition_dim = 1
         self.weight1.partition_stride = 1
         self.reset_parameters()
+        keep_float32(self)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -118,7 +120,7 @@ class TempNetLM(nn.Module):
         self, vocab_parallel_logits: torch.Tensor, tau_max: float | None = None
     ) -> torch.Tensor:
         """``[b, s, V_pad/tp]`` logits (any leading shape) -> ``[b, s]`` tau in
-        ``[tau_min, tau_max]``.
+        ``[tau_min, tau_max]``, float32 (computed in float32 from logits of any dtype).
 
         The logits are detached (stop-gradient): tau reaches the LM only through the loss. With
         ``stop_grad=False`` (the paper's ablation) tau's gradient also flows into the logits.
@@ -134,9 +136,10 @@ class TempNetLM(nn.Module):
             )
         lead = vocab_parallel_logits.shape[:-1]
         logits_2d = vocab_parallel_logits.reshape(-1, self.partition_size)[:, : self.part.n_true]
-        y = normalised_parallel_linear(logits_2d, self.weight1, self.tp, self.stop_grad)  # [T, d1]
-        v = self.dropout(torch.sigmoid(y + self.bias1))
-        u = v @ self.weight2.t()  # [T, d2]
+        # float32 whatever the LM's dtype (utils.precision): [T, d1]
+        y = normalised_parallel_linear(logits_2d, f32(self.weight1), self.tp, self.stop_grad)
+        v = self.dropout(torch.sigmoid(y + f32(self.bias1)))
+        u = v @ f32(self.weight2).t()  # [T, d2]
         s = self.pooling(u)  # [T]
         upper = self._upper(tau_max)
         if not upper > self.tau_min:

@@ -20,6 +20,7 @@ from megatron_tempnet.distributed.mpu import MegatronMPU
 from megatron_tempnet.trainer.config import ConfigError, OptimizerConfig, RunConfig
 from megatron_tempnet.trainer.step import deepspeed_clips_grad_norm
 from megatron_tempnet.trainer.task import ParamGroup, TrainModel
+from megatron_tempnet.utils.precision import is_float32_island
 
 
 def init_process_groups(config: RunConfig) -> None:
@@ -111,13 +112,14 @@ def deepspeed_config(config: RunConfig, world_size: int) -> dict:
 
 
 def build_optimizer(groups: list[ParamGroup], opt: OptimizerConfig) -> torch.optim.AdamW:
-    """AdamW over the groups; ``max_lr``/``min_lr``/``schedule`` drive each group's schedule."""
+    """PyTorch's fused AdamW over the groups; ``max_lr``/``min_lr``/``schedule`` drive
+    each group's schedule."""
     if not groups:
         raise ConfigError("nothing to train: every parameter is frozen")
     param_groups = [
         {
-            "name": g.name,
-            "params": g.params,
+            "name": name,
+            "params": params,
             "lr": g.lr,
             "max_lr": g.lr,
             "min_lr": g.min_lr,
@@ -125,12 +127,30 @@ def build_optimizer(groups: list[ParamGroup], opt: OptimizerConfig) -> torch.opt
             "schedule": g.schedule,
         }
         for g in groups
+        for name, params in _one_dtype_each(g)
     ]
-    return torch.optim.AdamW(param_groups, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
+    betas = (opt.adam_beta1, opt.adam_beta2)
+    try:
+        # one kernel for all tensors, on every device type PyTorch has it for (CUDA, CPU, ...);
+        # DeepSpeed's mixed-precision and ZeRO wrappers step it on their float32 master copies
+        return torch.optim.AdamW(param_groups, betas=betas, eps=opt.adam_eps, fused=True)
+    except RuntimeError:  # a device without the fused kernel: the multi-tensor implementation
+        return torch.optim.AdamW(param_groups, betas=betas, eps=opt.adam_eps, foreach=True)
+
+
+def _one_dtype_each(group: ParamGroup) -> list[tuple[str, list]]:
+    """The group, its float32 islands (``utils.precision``) apart as ``{name}_float32``: DeepSpeed's
+    ZeRO flattens a group into one buffer, which would turn a mixed group's 16-bit parameters
+    into float32 views."""
+    islands = [p for p in group.params if is_float32_island(p)]
+    rest = [p for p in group.params if not is_float32_island(p)]
+    if not islands or not rest:
+        return [(group.name, group.params)]
+    return [(group.name, rest), (f"{group.name}_float32", islands)]
 
 
 def build_engine(model: TrainModel, config: RunConfig, world_size: int):
-    """``deepspeed.initialize`` over megatron-core's groups; returns (engine, optimizer).
+    """DeepSpeed's engine over megatron-core's groups; returns (engine, optimizer).
 
     A pipeline stage brings DeepSpeed's own grid (the same groups as megatron-core's); a
     ``forward_only`` pipeline runs backward on its last stage only.
@@ -142,22 +162,21 @@ def build_engine(model: TrainModel, config: RunConfig, world_size: int):
     optimizer = build_optimizer(model.param_groups, config.optimizer)
     ds_config = deepspeed_config(config, world_size)
     module = model.module
-    if isinstance(module, PipelineModule) and getattr(module, "forward_only", False):
-        mpu = module.mpu()  # what deepspeed.initialize does for a PipelineModule
-        engine = compat.last_stage_backward_engine()(
-            args=None,
-            model=module,
-            optimizer=optimizer,
-            mpu=mpu,
-            config=ds_config,
-            config_class=DeepSpeedConfig(ds_config, mpu),
-        )
-        return engine, engine.optimizer
-    mpu = None if isinstance(module, PipelineModule) else MegatronMPU()
-    engine, optimizer, _, _ = deepspeed.initialize(
-        model=module, optimizer=optimizer, config=ds_config, mpu=mpu
+    pipeline = isinstance(module, PipelineModule)
+    forward_only = pipeline and getattr(module, "forward_only", False)
+    # what deepspeed.initialize does, with an engine class that keeps TempNet float32 under
+    # --bf16 (compat.engine_class); a pipeline brings its own grid as the mpu
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    mpu = module.mpu() if pipeline else MegatronMPU()
+    engine = compat.engine_class(pipeline, forward_only)(
+        args=None,
+        model=module,
+        optimizer=optimizer,
+        mpu=mpu,
+        config=ds_config,
+        config_class=DeepSpeedConfig(ds_config, mpu),
     )
-    return engine, optimizer
+    return engine, engine.optimizer
 
 
 def learning_rate(iteration: int, max_lr: float, min_lr: float, opt: OptimizerConfig) -> float:

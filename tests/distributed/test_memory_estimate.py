@@ -128,9 +128,21 @@ def test_the_70b_recipe_and_flag_errors():
     assert frozen.returncode == 0, frozen.stderr
     assert "parameters: LM 68.98 B, TempNet 8.26 M" in frozen.stdout
     assert "of 80 GiB: fits" in frozen.stdout
-    full = _tool(*recipe)
-    assert full.returncode == 0 and "of 80 GiB: does NOT fit" in full.stdout
-    assert "of 80 GiB: fits" in _tool(*recipe, "--recompute-activations").stdout
+    full = _tool(*recipe)  # the fused attention keeps no [b, heads, s, s] softmax
+    assert full.returncode == 0 and "of 80 GiB: fits" in full.stdout
+    unfused = _tool(*recipe, "--attention-backend", "unfused")
+    assert unfused.returncode == 0 and "of 80 GiB: does NOT fit" in unfused.stdout
+    activations = {
+        name: float(line.split()[1])
+        for name, out in (("fused", full), ("unfused", unfused))
+        for line in out.stdout.splitlines()
+        if line.split()[:1] == ["activations"]
+    }
+    # first stage: 40 layers x 2 micro-batches in flight x the softmax [64/8 heads, 4096, 4096]
+    # in bf16 (20 GiB) and the keys and values expanded to every head (1.1 GiB)
+    assert activations["unfused"] - activations["fused"] == pytest.approx(21.08, abs=0.01)
+    recompute = _tool(*recipe, "--attention-backend", "unfused", "--recompute-activations")
+    assert "of 80 GiB: fits" in recompute.stdout
     bad = _tool(*recipe[:8], "--zero", "2")
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert "--zero-stage 2 does not work with --pipeline-model-parallel-size > 1" in bad.stderr

@@ -1,6 +1,6 @@
-"""DeepSpeed's private pipeline symbols the project uses are checked at start-up: an upgrade that
-removes or changes one fails loudly, naming it (megatron-core's: tests/distributed/
-test_cpu_support.py)."""
+"""DeepSpeed's private symbols the project uses (the pipeline engine's and module's, the engine's
+mixed-precision cast) are checked at start-up: an upgrade that removes or changes one fails
+loudly, naming it (megatron-core's: tests/distributed/test_cpu_support.py)."""
 
 from __future__ import annotations
 
@@ -80,4 +80,31 @@ def test_an_unpinned_deepspeed_fails_loudly(monkeypatch):
 
     monkeypatch.setattr(deepspeed, "__version__", "0.20.0")
     with pytest.raises(compat.UpstreamError, match="DeepSpeed 0.20.0 is installed"):
+        compat.check_deepspeed()
+
+
+def test_a_changed_mixed_precision_cast_fails_loudly(monkeypatch):
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    monkeypatch.delattr(DeepSpeedEngine, "_cast_module_mixed_precision")
+    with pytest.raises(compat.UpstreamError, match="_cast_module_mixed_precision no longer exists"):
+        compat.check_deepspeed()
+    monkeypatch.setattr(
+        DeepSpeedEngine,
+        "_cast_module_mixed_precision",
+        lambda self, param_dtype: None,
+        raising=False,
+    )
+    with pytest.raises(compat.UpstreamError, match="lost parameter"):
+        compat.check_deepspeed()
+
+
+def test_an_engine_that_casts_elsewhere_fails_loudly(monkeypatch):
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    def configure_without_the_cast(self, model):
+        self.module = model
+
+    monkeypatch.setattr(DeepSpeedEngine, "_configure_distributed_model", configure_without_the_cast)
+    with pytest.raises(compat.UpstreamError, match="no longer casts the model"):
         compat.check_deepspeed()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron_tempnet.models.transformer import (
     ModelConfigError,
+    TransformerImpl,
     TransformerShape,
     padded_vocab_size,
     preset_fields,
@@ -48,8 +50,8 @@ CLIP_PRESETS: dict[str, dict] = {
 
 
 @dataclass
-class CLIPModelConfig:
-    """Both towers' shapes (Megatron-LM's and OpenCLIP's names)."""
+class CLIPModelConfig(TransformerImpl):
+    """Both towers' shapes (Megatron-LM's and OpenCLIP's names) and how their layers compute."""
 
     embed_dim: int = 64
     """Size of the shared, L2-normalised embedding."""
@@ -95,6 +97,7 @@ class CLIPModelConfig:
             hidden_size=self.vision_hidden_size,
             num_attention_heads=self.vision_heads,
             init_method_std=self.init_method_std,
+            **self.impl(),
         )
 
     def text_tower(self) -> TransformerShape:
@@ -103,7 +106,12 @@ class CLIPModelConfig:
             hidden_size=self.text_hidden_size,
             num_attention_heads=self.text_heads,
             init_method_std=self.init_method_std,
+            **self.impl(),
         )
+
+    def impl(self) -> dict:
+        """The ``TransformerImpl`` fields, for both towers."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(TransformerImpl)}
 
     def padded_vocab_size(self, tensor_parallel_size: int) -> int:
         return padded_vocab_size(

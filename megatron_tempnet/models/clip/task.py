@@ -32,6 +32,7 @@ from megatron_tempnet.trainer.step import step_max_grad_norm
 from megatron_tempnet.trainer.task import ParamGroup, TaskData, TrainModel
 from megatron_tempnet.utils.flags import option
 from megatron_tempnet.utils.logging import log_rank0
+from megatron_tempnet.utils.precision import to_training_dtype
 
 
 @dataclass
@@ -186,7 +187,8 @@ class CLIPTask:
         module = CLIPTrainModule(
             clip, config.loss, dp_group=parallel_state.get_data_parallel_group()
         )
-        module.to(dtype)  # as DeepSpeed casts it; the loss itself is computed in float32
+        # as DeepSpeed casts it; the temperature and the loss compute in float32
+        to_training_dtype(module, dtype)
         if config.loss.uses_tempnet:
             _init_prototypes(module, data.pairs, config.loss.tempnet_proj_size, t.seed)
         seed_rngs(t.seed)

@@ -21,25 +21,29 @@ from torch import nn
 
 from megatron_tempnet.models.clip.config import CLIPLossConfig
 from megatron_tempnet.tempnet.clip import TempNetCLIP
+from megatron_tempnet.utils.precision import f32, keep_float32
 
 SIDES = ("image", "text")
 
 
 class TaUHead(nn.Module):
-    """TaU's temperature head: ``[n, d]`` normalised embedding (with gradient) -> ``a [n]``."""
+    """TaU's temperature head: ``[n, d]`` normalised embedding (with gradient) -> ``a [n]``
+    (float32: a float32 island, ``utils.precision``)."""
 
     def __init__(self, embed_dim: int):
         super().__init__()
-        self.linear = nn.Linear(embed_dim, 1)
+        self.linear = keep_float32(nn.Linear(embed_dim, 1))
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
-        return self.linear(embeddings.to(self.linear.weight.dtype))[:, 0].float()
+        w, b = f32(self.linear.weight), f32(self.linear.bias)
+        return nn.functional.linear(f32(embeddings), w, b)[:, 0]
 
 
 class CLIPTemperature:
     """The temperature, for a model that mixes it in (``CLIPTrainModule``): its learnable parts
     for ``loss`` (none for sogclr and isogclr) become the model's own parameters (``log_tau``,
-    ``tau_heads.*``, ``tempnets.*``), registered after the towers."""
+    ``tau_heads.*``, ``tempnets.*``), registered after the towers; all of them stay float32
+    under --bf16 (``utils.precision``)."""
 
     def init_temperature(self, loss: CLIPLossConfig, embed_dim: int) -> None:
         """Register the temperature's parameters on this ``nn.Module``."""
@@ -48,7 +52,7 @@ class CLIPTemperature:
         self.tau_heads = None
         self.tempnets = None
         if loss.clip_loss == "clip":
-            self.log_tau = nn.Parameter(torch.tensor([math.log(loss.tau_init)]))
+            self.log_tau = keep_float32(nn.Parameter(torch.tensor([math.log(loss.tau_init)])))
         if loss.clip_loss == "tau":
             self.tau_heads = nn.ModuleDict({side: TaUHead(embed_dim) for side in SIDES})
         if loss.uses_tempnet:

@@ -18,11 +18,10 @@ embeddings ``[b, d]``, identical on every TP rank.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
+from megatron_tempnet.models.attention import layer_spec
 from megatron_tempnet.models.clip.config import CLIPModelConfig
 from megatron_tempnet.models.transformer import (
     FinalNorm,
@@ -43,7 +42,7 @@ class VisionEmbedding(nn.Module):
         self.patch_embedding = nn.Linear(model.image_channels * p * p, h, bias=False)
         self.class_embedding = nn.Parameter(torch.randn(h) * h**-0.5)
         self.position_embeddings = nn.Parameter(torch.randn(model.num_patches + 1, h) * h**-0.5)
-        self.norm_pre = FinalNorm(config, _vision_spec())
+        self.norm_pre = FinalNorm(config, layer_spec("LayerNorm", "unfused", causal=False))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         b, c, _, _ = images.shape
@@ -82,16 +81,6 @@ class Projection(nn.Module):
         return x @ self.weight.t()
 
 
-def _vision_spec():
-    """megatron-core's local layer spec with bidirectional attention (no mask)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.enums import AttnMaskType
-
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="LayerNorm"))
-    spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.no_mask}
-    return spec
-
-
 class CLIPModel(nn.Module):
     """The two towers; ``encode_image``/``encode_text`` return normalised ``[b, d]`` embeddings.
 
@@ -110,14 +99,13 @@ class CLIPModel(nn.Module):
         seed: int = 1234,
     ):
         super().__init__()
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
         model.validate(tensor_parallel_size)
         self.config = model
         vision, text = model.vision_tower(), model.text_tower()
         kw = dict(tensor_parallel_size=tensor_parallel_size, params_dtype=params_dtype)
         vconfig, tconfig = transformer_config(vision, **kw), transformer_config(text, **kw)
-        vspec, tspec = _vision_spec(), get_gpt_layer_local_spec(normalization="LayerNorm")
+        vspec = layer_spec("LayerNorm", model.attention_backend, causal=False)
+        tspec = layer_spec("LayerNorm", model.attention_backend)
         padded_vocab = model.padded_vocab_size(tensor_parallel_size)
 
         def layers(prefix: str, count: int, config, spec) -> list:

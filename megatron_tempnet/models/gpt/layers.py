@@ -1,8 +1,9 @@
 """The GPT/LLaMA language model as a sequence of pieces, for one process or a pipeline.
 
 The model is composed from megatron-core's layers (``VocabParallelEmbedding``, ``TransformerLayer``
-on the local spec, its norm, ``ColumnParallelLinear``, ``RotaryEmbedding``; the shared pieces are
-``models.transformer``'s) as a flat list:
+on the local spec with the ``--attention-backend``'s core attention, its norm,
+``ColumnParallelLinear``, ``RotaryEmbedding``; the shared pieces are ``models.transformer``'s) as a
+flat list:
 
     WordEmbedding     (tokens, position_ids) -> (word embeddings [b, s, h], position_ids)
     EmbeddingOutput   + learned positions, [b, s, h] -> [s, b, h], dropout
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megatron_tempnet.models.attention import layer_spec as attention_layer_spec
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.transformer import (
     FinalNorm,
@@ -114,12 +116,11 @@ def gpt_layer_specs(
     Tied embeddings (GPT-2) are a ``TiedLayerSpec`` at both ends of the list.
     """
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(
         model, tensor_parallel_size=tensor_parallel_size, params_dtype=params_dtype
     )
-    layer_spec = get_gpt_layer_local_spec(normalization=model.normalization)
+    layer_spec = attention_layer_spec(model.normalization, model.attention_backend)
     vocab = model.padded_vocab_size(tensor_parallel_size)
     tied = not model.untie_embeddings_and_output_weights
     rope = dict(rotary_base=model.rotary_base) if model.position_embedding_type == "rope" else None

@@ -13,17 +13,30 @@ does not partition at that stage. In float32 (no mixed precision) the parts are 
 gradients (4) and Adam's moments (8). Frozen parameters (``--freeze-lm``) hold weights only.
 
 Activations (bytes, ``e`` the element size, ``t`` TP, micro-batch ``b``, sequence ``s``, hidden
-``h``, ``a`` heads, FFN ``f``; f' = 2f with SwiGLU): what one layer keeps for backward,
-``s*b*e*(4h + 4h/t + (f + f')/t) + e*b*a*s^2/t`` (the inputs of its two norms and four linear
-layers, query, key and value (expanded to every head with grouped-query attention), the attention
-context, and the softmax of the unfused attention), times layers times micro-batches in flight
-(DeepSpeed's pipeline keeps ``min(PP - stage, micro-batches)``). With recomputation a layer keeps
-its input only, and one layer is rebuilt at a time. A frozen LM keeps nothing: one layer's working
-set at a time. The last stage adds the logits ``[s*b, V/t]`` (``e`` bytes), the loss's float32
-buffer (``exp(z)``, then the gradient, in place) and the reported cross-entropy's transient float32
-buffer, and TempNet's activations. While a layer runs it adds a working set (the attention's two
-transient ``[b, a/t, s, s]`` scores; the whole layer when it is recomputed or frozen); the output
-buffers exist only after the last layer, so only the larger of the two counts.
+``h``, ``a`` heads of size ``d``, ``g`` key/value groups, FFN ``f``; f' = 2f with SwiGLU): what
+one layer keeps for backward, ``s*b*e*(4h + (qkv + h + f + f')/t) + attention``: the inputs of
+its two norms and four linear layers, query, key and value, the attention context, and what the
+attention keeps. The attention is what ``--attention-backend`` builds (``models/attention.py``):
+
+* ``unfused`` (megatron-core's ``DotProductAttention``): key and value expanded to every head
+  (``qkv = 3h``) and the softmax ``[b, a/t, s, s]`` (``e*b*a*s^2/t``); while it runs, its two
+  transient score tensors (``2*e*b*a*s^2/t``);
+* ``auto`` (``scaled_dot_product_attention``'s flash / memory-efficient kernels): key and value
+  per group (``qkv = h + 2gd``) and the kernel's float32 log-sum-exp per query (``4*b*a*s/t``),
+  nothing of size ``s^2``: the kernels work block by block.
+
+Times layers times micro-batches in flight (DeepSpeed's pipeline keeps ``min(PP - stage,
+micro-batches)``). With recomputation a layer keeps its input only, and one layer is rebuilt at a
+time. A frozen LM keeps nothing: one layer's working set at a time. The last stage adds the
+logits ``[s*b, V/t]`` (``e`` bytes), the loss's float32 buffer (``exp(z)``, then the gradient,
+in place) and the reported cross-entropy's transient float32 buffer, and TempNet's activations.
+While a layer runs it adds a working set (the unfused attention's transient scores; the whole
+layer when it is recomputed or frozen); the output buffers exist only after the last layer, so
+only the larger of the two counts.
+
+The optimizer is PyTorch's fused AdamW: one kernel over all tensors, whose only buffers are its
+state (the two moments counted above and a step counter per tensor); its multi-tensor
+(``foreach``) fallback would add a transient copy of the float32 gradients during the step.
 """
 
 from __future__ import annotations
@@ -144,9 +157,11 @@ def _norm_params(model: ModelConfig) -> int:
 
 
 def tempnet_params(model: ModelConfig, layout: Layout) -> int:
-    """TempNetLM on one TP rank: W1 over the local true vocabulary, then replicated layers."""
+    """TempNetLM on the fullest TP rank: W1 over its true vocabulary columns (the first ranks
+    hold a whole shard, the last one the rest), then replicated layers."""
     d1, d2 = layout.tempnet_hidden_size, layout.tempnet_proj_size
-    local_vocab = -(-model.vocab_size // layout.tensor_parallel)
+    tp = layout.tensor_parallel
+    local_vocab = min(model.padded_vocab_size(tp) // tp, model.vocab_size)
     return d1 * local_vocab + d1 + d2 * d1 + d2 + 2
 
 
@@ -204,10 +219,18 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int) 
     h, a = model.hidden_size, model.num_attention_heads
     ffn = model.ffn_hidden_size or 4 * h
     up = 2 * ffn if model.swiglu else ffn
-    return s * b * e * (4 * h + (4 * h + ffn + up) // t) + e * b * a * s * s // t
+    if model.attention_backend == "unfused":
+        qkv, attention = 3 * h, e * b * a * s * s // t
+    else:
+        kv_size = (model.num_query_groups or a) * (h // a)
+        qkv, attention = h + 2 * kv_size, 4 * b * a * s // t
+    return s * b * e * (4 * h + (qkv + h + ffn + up) // t) + attention
 
 
 def _attention_transient(model: ModelConfig, layout: Layout, seq_length: int) -> int:
+    """The unfused attention's two score tensors while it runs (the fused kernels: none)."""
+    if model.attention_backend != "unfused":
+        return 0
     e, t, b = PRECISIONS[layout.precision], layout.tensor_parallel, layout.micro_batch_size
     return 2 * e * b * model.num_attention_heads * seq_length**2 // t
 

@@ -36,9 +36,9 @@ from megatron_tempnet.trainer.step import clip_grad_norm_, compute_device
 class TempNetPiece(nn.Module):
     """The last piece: logits ``[b, s, V_pad/tp]`` -> (logits, tau ``[b, s]``)."""
 
-    def __init__(self, dtype: torch.dtype, **tempnet_kwargs):
+    def __init__(self, **tempnet_kwargs):
         super().__init__()
-        self.tempnet = TempNetLM(**tempnet_kwargs).to(dtype)
+        self.tempnet = TempNetLM(**tempnet_kwargs)  # float32 under --bf16 too
 
     def forward(self, logits: torch.Tensor):
         return logits, self.tempnet(logits)
@@ -110,7 +110,7 @@ def build_pipeline(
         recompute_activations=recompute,
     )
     if loss.uses_tempnet:
-        specs.append(LayerSpec(TempNetPiece, dtype, **tempnet_kwargs))
+        specs.append(LayerSpec(TempNetPiece, **tempnet_kwargs))
     world = torch.distributed.get_world_size()
     data_parallel = world // (tensor_parallel * pipeline_parallel)
     module = GPTPipeline(

@@ -162,7 +162,7 @@ class GPTTask:
         tempnet = None
         if config.loss.uses_tempnet:
             seed_rngs(t.seed + lm.num_specs)  # where a pipeline's last stage builds it
-            tempnet = TempNetLM(**tempnet_kwargs(config, tp_group)).to(config.training.params_dtype)
+            tempnet = TempNetLM(**tempnet_kwargs(config, tp_group))  # float32 under --bf16 too
         seed_rngs(t.seed)
         if t.freeze_lm:
             lm.requires_grad_(False)
