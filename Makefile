@@ -5,12 +5,13 @@
 # make lint     ruff check + format check
 # make bench    loss benchmark (prints a table)
 # make bench-data  preprocessing throughput and memory on a generated 200 MB .jsonl.zst
+# make bench-step  training step: fused vs unfused attention, DRO + TempNet vs CE, the planner
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test install lint format bench bench-data quickstart clean
+.PHONY: test install lint format bench bench-data bench-step quickstart clean
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -43,6 +44,9 @@ bench: $(STAMP)
 
 bench-data: $(STAMP)
 	$(BIN)/python benchmarks/preprocess_bench.py
+
+bench-step: $(STAMP)
+	$(BIN)/python benchmarks/step_bench.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -12,11 +12,11 @@ through the same objective as pretrain_gpt.py (``TrainModule``) on GPT-2 125M's 
 2. Losses: cross-entropy against DRO + TempNet on the fused path (at the first sequence length),
    taking turns in one process; median and spread (min-max) of ``--steps`` steps.
 3. Memory, per backend and sequence length, each in its own process: the peak above the level
-   after the warm-up step (weights and optimizer states; last step's gradients freed), i.e.
-   what a step adds: gradients, activations, the output stage's buffers. CPU: VmHWM with glibc
-   returning freed tensors (``common.GLIBC_RETURNS_MEMORY``); GPU: the caching allocator's peak.
-   Next to it, the planner's figure for the same step (``models/gpt/memory.py``: gradients +
-   activations + output buffers + layer working set).
+   after the warm-up step (weights, gradients and optimizer states, all resident as in
+   DeepSpeed), i.e. what a step adds: activations, the output stage's buffers, the attention's
+   working set. CPU: VmHWM with glibc returning freed tensors (``common.GLIBC_RETURNS_MEMORY``);
+   GPU: the caching allocator's peak. Next to it, the planner's figure for the same step
+   (``models/gpt/memory.py``: its total less weights, gradients and optimizer states).
 
     python benchmarks/step_bench.py --json docs/step_bench_cpu.json
     python benchmarks/step_bench.py --device cuda --num-layers 12
@@ -106,7 +106,7 @@ def _trainer(model_cfg, loss: str, device):
         value = out.loss.mean()
         value.backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=False)  # resident, as DeepSpeed's gradient buffers
         return float(value)
 
     return step, sum(p.numel() for p in module.parameters())
@@ -176,12 +176,12 @@ def run_memory(args, seq_length: int, backend: str) -> dict:
 
 
 def planned_step_mb(args, seq_length: int, backend: str) -> float:
-    """The planner's memory for one step above the weights and optimizer states."""
+    """The planner's memory for one step above the weights, gradients and optimizer states."""
     from megatron_tempnet.models.gpt.memory import Layout, estimate
 
     (stage,) = estimate(_model_config(args, seq_length, backend), Layout(), seq_length)
     parts = dict(stage.parts)
-    for kept in ("weights", "optimizer states"):
+    for kept in ("weights", "gradients", "optimizer states"):
         parts.pop(kept)
     return sum(parts.values()) / 2**20
 

@@ -29,7 +29,8 @@ Times layers times micro-batches in flight (DeepSpeed's pipeline keeps ``min(PP 
 micro-batches)``). With recomputation a layer keeps its input only, and one layer is rebuilt at a
 time. A frozen LM keeps nothing: one layer's working set at a time. The last stage adds the
 logits ``[s*b, V/t]`` (``e`` bytes), the loss's float32 buffer (``exp(z)``, then the gradient,
-in place) and the reported cross-entropy's transient float32 buffer, and TempNet's activations.
+in place; the reported cross-entropy's transient float32 buffer comes and goes before it), and
+TempNet's activations.
 While a layer runs it adds a working set (the unfused attention's transient scores; the whole
 layer when it is recomputed or frozen); the output buffers exist only after the last layer, so
 only the larger of the two counts.
@@ -241,7 +242,9 @@ def output_bytes(model: ModelConfig, layout: Layout, seq_length: int) -> dict:
     tokens = seq_length * layout.micro_batch_size
     local_vocab = model.padded_vocab_size(t) // t
     logits = e * tokens * local_vocab
-    loss = 2 * 4 * tokens * local_vocab  # exp(z)/gradient buffer + the reported CE's buffer
+    # the loss's float32 exp(z) buffer, then its gradient in place; the reported cross-entropy's
+    # transient buffer is freed before the loss allocates it
+    loss = 4 * tokens * local_vocab
     d1, d2 = layout.tempnet_hidden_size, layout.tempnet_proj_size
     tempnet = e * tokens * (3 * d1 + 3 * d2) if layout.tempnet else 0
     return {"logits shard": logits, "loss buffers": loss, "TempNet activations": tempnet}

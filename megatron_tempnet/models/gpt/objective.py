@@ -123,17 +123,18 @@ def token_losses(
     else:
         tau = torch.full(labels.shape, config.fixed_tau, dtype=torch.float32, device=labels.device)
     common = {"vocab_size": vocab_size, "tp_group": tp_group}
+    if config.loss != "ce":
+        # reported, not trained on: one more read of the logits, no graph; before the loss, so
+        # that its transient [T, V/tp] buffer is freed before the loss keeps its own
+        with torch.no_grad():
+            ce = temperature_scaled_cross_entropy(logits.detach(), labels, 1.0, **common)
     if config.loss == "dro":
         loss = vocab_parallel_dro_loss(logits, labels, tau, rho=config.rho, **common)
     elif config.loss == "ts-ce":
         loss = temperature_scaled_cross_entropy(logits, labels, tau, **common)
     else:
         loss = temperature_scaled_cross_entropy(logits, labels, 1.0, **common)
-    if config.loss == "ce":
         ce = loss.detach()
-    else:  # reported, not trained on: one more read of the logits, no graph
-        with torch.no_grad():
-            ce = temperature_scaled_cross_entropy(logits.detach(), labels, 1.0, **common)
     ts_ce = None
     if not torch.is_grad_enabled():  # evaluation: the T-LLM perplexity's per-token term
         ts_ce = (
