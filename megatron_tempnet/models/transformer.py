@@ -11,7 +11,10 @@ CPU), whatever stage or process builds it.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +23,7 @@ from torch import nn
 from megatron_tempnet.models.attention import ATTENTION_BACKENDS
 from megatron_tempnet.utils.cli import UserError
 from megatron_tempnet.utils.flags import option
+from megatron_tempnet.utils.logging import warn_rank0
 
 
 class ModelConfigError(UserError, ValueError):
@@ -160,6 +164,10 @@ def transformer_config(
     fused_gelu = (
         shape.openai_gelu and not shape.swiglu and shape.add_bias_linear and shape.bias_gelu_fusion
     )
+    fused_dropout = shape.bias_dropout_fusion
+    if (fused_swiglu or fused_gelu or fused_dropout) and not fusions_compile():
+        _warn_no_compiler()
+        fused_swiglu = fused_gelu = fused_dropout = False
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -183,11 +191,27 @@ def transformer_config(
         # model; on GPU each rank initialises its own shard in place (Megatron-LM's behaviour)
         use_cpu_initialization=not torch.cuda.is_available(),
         bias_activation_fusion=fused_swiglu or fused_gelu,
-        bias_dropout_fusion=shape.bias_dropout_fusion,
+        bias_dropout_fusion=fused_dropout,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+    )
+
+
+def fusions_compile() -> bool:
+    """megatron-core's fusions are ``torch.compile``d: by Triton on a GPU, by a C++ compiler
+    (``$CXX``, else ``g++``, as PyTorch's inductor looks for it) on a CPU."""
+    return torch.cuda.is_available() or shutil.which(os.environ.get("CXX", "g++")) is not None
+
+
+@functools.cache
+def _warn_no_compiler() -> None:
+    warn_rank0(
+        "no C++ compiler (%s) for torch.compile: megatron-core's bias fusions are off, the model "
+        "computes the same without them (install g++ or set CXX to use them; "
+        "--no-bias-swiglu-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion silence this)",
+        os.environ.get("CXX", "g++"),
     )
 
 

@@ -225,3 +225,17 @@ def test_fused_adamw_equals_the_per_tensor_loop():
     for p, r in zip(got, ref):
         assert not torch.equal(p, start[0] if p.ndim == 2 else start[1])
         torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+
+
+def test_without_a_compiler_the_fusions_are_off_with_a_warning(monkeypatch, caplog):
+    from megatron_tempnet.models import transformer
+
+    shape = transformer.TransformerShape(swiglu=True, add_bias_linear=False)
+    with_compiler = transformer.transformer_config(shape)
+    assert with_compiler.bias_activation_fusion and with_compiler.bias_dropout_fusion
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    transformer._warn_no_compiler.cache_clear()
+    with caplog.at_level("WARNING"):
+        without = transformer.transformer_config(shape)
+    assert not without.bias_activation_fusion and not without.bias_dropout_fusion
+    assert "no C++ compiler (no-such-compiler)" in caplog.text
