@@ -23,6 +23,12 @@ cores, times are not comparable to a real run (memory still is).
     python benchmarks/loss_bench.py                     # CPU, small default shapes
     python benchmarks/loss_bench.py --tokens 2048 --hidden 768 4096 --tp 1 4 --json out.json
     python benchmarks/loss_bench.py --device cuda       # one GPU per TP rank
+
+Section "stage" (``--section stage``, ``make bench-stage``): the whole output stage, today's
+against the fused one (benchmarks/stage_cases.py), at the ``--stage-shapes`` given as
+hidden:padded vocabulary:TP.
+
+    python benchmarks/loss_bench.py --section stage --tokens 8192 --json stage.json
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import statistics
 import time
 
 import common
+import stage_cases
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -185,30 +192,48 @@ def _rank_main(rank, tp, port, args, mode, out_queue):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     oversubscribed = not cuda and tp > (os.cpu_count() or 1)
+    reps, warmup = (1, 1) if mode == "memory" else (args.reps, args.warmup)
     rows = []
-    for hidden in args.hidden:
-        make_step = _setup(device, args.tokens, hidden, args.vocab, tp, rank)
-        for with_gemm in (True, False):
-            steps = {case: make_step(case, with_gemm) for case in args.cases}
-            reps, warmup = (1, 1) if mode == "memory" else (args.reps, args.warmup)
-            measured = _measure_cases(steps, device, reps, warmup)
-            for case, (ms, mb) in measured.items():
-                t = torch.tensor([ms, mb], dtype=torch.float64, device=device)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                rows.append(
-                    dict(
-                        tp=tp,
-                        hidden=hidden,
-                        gemm=with_gemm,
-                        case=case,
-                        time_ms=float(t[0]),
-                        peak_mb=float(t[1]),
-                        oversubscribed=oversubscribed,
-                    )
+    for hidden, vocab, steps in _step_sets(args, device, tp, rank):
+        measured = _measure_cases(steps, device, reps, warmup)
+        for key, (ms, mb) in measured.items():
+            t = torch.tensor([ms, mb], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            case, gemm = key if isinstance(key, tuple) else (key, True)
+            rows.append(
+                dict(
+                    tp=tp,
+                    hidden=hidden,
+                    vocab=vocab,
+                    shard=vocab // tp,
+                    gemm=gemm,
+                    case=case,
+                    time_ms=float(t[0]),
+                    peak_mb=float(t[1]),
+                    oversubscribed=oversubscribed,
                 )
+            )
     if rank == 0:
         out_queue.put(rows)
     dist.destroy_process_group()
+
+
+def _step_sets(args, device, tp, rank):
+    """(hidden, vocabulary, {case: step}) per shape this TP size runs."""
+    if args.section == "stage":
+        for hidden, vocab, shape_tp in _stage_shapes(args):
+            if shape_tp == tp:
+                make_step = stage_cases.setup_stage(device, args.tokens, hidden, vocab, tp, rank)
+                yield hidden, vocab, {case: make_step(case) for case in stage_cases.STAGE_CASES}
+        return
+    for hidden in args.hidden:
+        make_step = _setup(device, args.tokens, hidden, args.vocab, tp, rank)
+        for with_gemm in (True, False):
+            yield hidden, args.vocab, {(c, with_gemm): make_step(c, with_gemm) for c in args.cases}
+
+
+def _stage_shapes(args) -> list[tuple[int, int, int]]:
+    return [tuple(int(x) for x in shape.split(":")) for shape in args.stage_shapes]
 
 
 def _allocator_env(allocator: str) -> dict:
@@ -252,6 +277,27 @@ def _with_ratios(rows):
         r["time_vs_a"] = r["time_ms"] / a["time_ms"] if timed else None
         r["peak_vs_a"] = r["peak_mb"] / a["peak_mb"] if a and a["peak_mb"] > 0 else None
     return rows
+
+
+def _print_stage_table(rows, args, machine):
+    pages = "" if args.device == "cuda" else f", CPU allocator for timing: {args.allocator}"
+    print(f"# {machine}; T = {args.tokens} tokens, float32, reps = {args.reps}{pages}")
+    header = (
+        f"{'tp':>2} {'h':>5} {'V/tp':>6}  {'case':<36} {'ms':>9} {'x u':>6} "
+        f"{'peak MB':>9} {'x u':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    base = {(r["tp"], r["hidden"]): r for r in rows if r["case"] == "u"}
+    for r in rows:
+        u = base[(r["tp"], r["hidden"])]
+        ms = "-" if r["time_ms"] is None else f"{r['time_ms']:.0f}"
+        tv = "-" if r["time_ms"] is None else f"{r['time_ms'] / u['time_ms']:.3f}"
+        label = f"{r['case']}  {stage_cases.STAGE_NAMES[r['case']]}"
+        print(
+            f"{r['tp']:>2} {r['hidden']:>5} {r['shard']:>6}  {label:<36} {ms:>9} {tv:>6} "
+            f"{r['peak_mb']:>9.1f} {r['peak_mb'] / u['peak_mb']:>6.3f}"
+        )
 
 
 def _print_table(rows, args, machine):
@@ -309,6 +355,19 @@ def main():
     parser.add_argument("--vocab", type=int, default=50304, help="padded vocabulary V")
     parser.add_argument("--tp", type=int, nargs="+", default=[1], help="tensor-parallel sizes")
     parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
+    parser.add_argument(
+        "--section",
+        choices=["cases", "stage"],
+        default="cases",
+        help="cases: the loss paths a-d; stage: the whole output stage, today's vs fused",
+    )
+    parser.add_argument(
+        "--stage-shapes",
+        nargs="+",
+        default=stage_cases.STAGE_SHAPES,
+        metavar="H:V:TP",
+        help="section stage: hidden size, padded vocabulary and TP size of each shape",
+    )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -322,13 +381,15 @@ def main():
         "every large tensor afresh",
     )
     args = parser.parse_args()
-    for tp in args.tp:
+    for tp in args.tp if args.section == "cases" else ():
         if args.vocab % tp:
             parser.error(f"--vocab ({args.vocab}) must be divisible by every --tp ({tp})")
     if args.device == "cuda" and max(args.tp) > torch.cuda.device_count():
         parser.error(
             f"--tp {max(args.tp)} needs that many GPUs; {torch.cuda.device_count()} visible"
         )
+    if args.section == "stage":
+        args.tp = sorted({tp for _, _, tp in _stage_shapes(args)})
     rows = []
     for tp in args.tp:
         if args.device == "cuda":
@@ -345,12 +406,16 @@ def main():
         for row, mem in zip(timed, memory):
             row["peak_mb"] = mem["peak_mb"]
             rows.append(row)
-    rows = _with_ratios(rows)
     machine = common.machine(args.device)
-    _print_table(rows, args, machine)
+    if args.section == "stage":
+        _print_stage_table(rows, args, machine)
+        checks = stage_cases.stage_targets(rows)
+    else:
+        rows = _with_ratios(rows)
+        _print_table(rows, args, machine)
+        checks = _targets(rows)
     if any(r["oversubscribed"] for r in rows):
         print("-: more TP ranks than CPU cores, so no time is measured (memory is)")
-    checks = _targets(rows)
     if checks:
         print("\ntargets")
         for desc, value, limit, ok in checks:

@@ -60,6 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="the run's core attention (default: %(default)s, fused; unfused keeps the "
         "[b, heads, s, s] softmax)",
     )
+    p.add_argument(
+        "--no-fused-output-stage",
+        dest="fused_output_stage",
+        action="store_false",
+        help="the run forms the whole [tokens, V/tp] logits (default: the fused output stage)",
+    )
+    p.add_argument(
+        "--output-stage-chunk-size",
+        type=int,
+        default=0,
+        help="tokens per chunk of the fused output stage (0: its default)",
+    )
     p.add_argument("--no-tempnet", action="store_true", help="--loss ce / a fixed tau")
     p.add_argument("--tempnet-hidden-size", type=int, default=TempNetConfig.tempnet_hidden_size)
     p.add_argument("--tempnet-proj-size", type=int, default=TempNetConfig.tempnet_proj_size)
@@ -102,6 +114,8 @@ def _layout(args) -> Layout:
         tempnet=not args.no_tempnet,
         tempnet_hidden_size=args.tempnet_hidden_size,
         tempnet_proj_size=args.tempnet_proj_size,
+        fused_output_stage=args.fused_output_stage,
+        output_stage_chunk_size=args.output_stage_chunk_size,
     )
 
 
@@ -122,6 +136,7 @@ def report(model: ModelConfig, layout: Layout, gpu_gb: float) -> str:
         ("--freeze-lm", lay.freeze_lm),
         ("--recompute-activations", lay.recompute_activations),
         ("--attention-backend unfused", model.attention_backend == "unfused"),
+        ("--no-fused-output-stage", not lay.fused_output_stage),
     )
     flags = [flag for flag, on in options if on]
     sizes = {

@@ -16,6 +16,7 @@ object per scored stream/document with every target's ``ce``, ``tllm_logprob`` a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -45,6 +46,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max-documents", type=int, help="only the first N documents")
     g.add_argument("--output", help="write the summary JSON here too")
     g.add_argument("--per-token-output", help="JSONL of per-token scores")
+    g.add_argument(
+        "--no-fused-output-stage",
+        dest="fused_output_stage",
+        action="store_false",
+        help="form each window's whole [tokens, V/tp] logits instead of scoring from the final "
+        "hidden states chunk by chunk",
+    )
+    g.add_argument(
+        "--output-stage-chunk-size",
+        type=int,
+        default=0,
+        help="tokens per chunk of the fused output stage (0: the default, 16M logits per rank)",
+    )
     return p.parse_args(argv)
 
 
@@ -82,6 +96,11 @@ def read_documents(args, tokenizer) -> list[list[int]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.output_stage_chunk_size < 0:
+        raise InferenceError(
+            f"--output-stage-chunk-size ({args.output_stage_chunk_size}) must be >= 1, or 0 for "
+            "the default"
+        )
     model, tokenizer = load_from_args(args)
     window = args.seq_length or model.model.max_position_embeddings
     if not 0 < window <= model.model.max_position_embeddings:
@@ -93,7 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.documents == "concatenated":
         eod = [] if tokenizer.eod is None else [tokenizer.eod]
         documents = [[t for d in documents for t in (d if args.data_path else d + eod)]]
-    scores = [score_tokens(model, d, window=window, fixed_tau=args.fixed_tau) for d in documents]
+    score = functools.partial(
+        score_tokens,
+        model,
+        window=window,
+        fixed_tau=args.fixed_tau,
+        fused_output_stage=args.fused_output_stage,
+        chunk_size=args.output_stage_chunk_size or None,
+    )
+    scores = [score(d) for d in documents]
     summary = summarise(scores)
     summary.update(
         documents=len(documents) if args.documents == "separate" else None,

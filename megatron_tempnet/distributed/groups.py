@@ -61,3 +61,18 @@ def vocab_partition(partition_size: int, rank: int, vocab_size: int) -> VocabPar
     end = start + partition_size
     n_true = max(0, min(end, vocab_size) - start)
     return VocabPartition(start=start, end=end, n_true=n_true)
+
+
+def parallel_argmax(local: torch.Tensor, start: int, tp: TPGroup) -> torch.Tensor:
+    """Global argmax ``[n]`` of vocabulary-parallel ``[n, v_local]`` values whose first column is
+    token ``start``: a MAX then a MIN all-reduce of ``[n]``; ties go to the lowest id."""
+    n = local.shape[0]
+    best = local.max(dim=-1).values if local.shape[-1] else local.new_full((n,), float("-inf"))
+    tp.all_reduce(best, dist.ReduceOp.MAX)
+    big = torch.iinfo(torch.int64).max
+    index = torch.full((n,), big, dtype=torch.int64, device=local.device)
+    if local.shape[-1]:
+        hits = local == best[:, None]
+        index = torch.where(hits.any(-1), hits.int().argmax(-1) + start, big).to(torch.int64)
+    tp.all_reduce(index, dist.ReduceOp.MIN)
+    return index

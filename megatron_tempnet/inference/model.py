@@ -49,6 +49,12 @@ class InferenceModel:
         positions = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
         return self.lm(tokens, positions).float()
 
+    @torch.no_grad()
+    def final_hidden(self, tokens: torch.Tensor):
+        """``[b, s]`` -> the output layer's input ``[s, b, h]`` and weight (``FinalHidden``)."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
+        return self.lm.final_hidden(tokens, positions)
+
 
 def init_inference(tensor_parallel: int) -> None:
     """torch.distributed over this job's processes (``tensor_parallel`` of them) and

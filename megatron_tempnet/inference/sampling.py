@@ -22,11 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_tempnet.distributed.groups import TPGroup, vocab_partition
+from megatron_tempnet.distributed.groups import TPGroup, parallel_argmax, vocab_partition
 from megatron_tempnet.inference.model import InferenceError
 
 _MAX = torch.distributed.ReduceOp.MAX
-_MIN = torch.distributed.ReduceOp.MIN
 
 
 @dataclass
@@ -110,18 +109,3 @@ class TokenChooser:
             lo = torch.where(below, lo, mid)
         threshold = hi.to(torch.int32).view(torch.float32)
         return local.masked_fill(probs < threshold[:, None], float("-inf"))
-
-
-def parallel_argmax(local: torch.Tensor, start: int, tp: TPGroup) -> torch.Tensor:
-    """Global argmax ``[n]`` of vocabulary-parallel ``[n, v_local]`` values whose first column is
-    token ``start``: a MAX then a MIN all-reduce of ``[n]``; ties go to the lowest id."""
-    n = local.shape[0]
-    best = local.max(dim=-1).values if local.shape[-1] else local.new_full((n,), float("-inf"))
-    tp.all_reduce(best, _MAX)
-    big = torch.iinfo(torch.int64).max
-    index = torch.full((n,), big, dtype=torch.int64, device=local.device)
-    if local.shape[-1]:
-        hits = local == best[:, None]
-        index = torch.where(hits.any(-1), hits.int().argmax(-1) + start, big).to(torch.int64)
-    tp.all_reduce(index, _MIN)
-    return index

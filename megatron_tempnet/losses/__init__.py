@@ -1,12 +1,13 @@
 """The KL-DRO loss family (docs/design.md §2): dense reference, vocabulary-parallel versions,
 Newton tau, and the contrastive losses for CLIP.
 
-Math on local tensors lives in :mod:`dro_math`; the collectives in :mod:`vocab_parallel` and
-:mod:`newton`.
+Math on local tensors lives in :mod:`dro_math`; the collectives in :mod:`vocab_parallel`,
+:mod:`newton` and :mod:`output_stage` (output layer, TempNet and loss fused, chunk by chunk).
 """
 
 from megatron_tempnet.losses.dense import dro_loss
 from megatron_tempnet.losses.newton import optimal_tau
+from megatron_tempnet.losses.output_stage import fused_output_stage
 from megatron_tempnet.losses.vocab_parallel import (
     temperature_scaled_cross_entropy,
     vocab_parallel_dro_loss,
@@ -14,6 +15,7 @@ from megatron_tempnet.losses.vocab_parallel import (
 
 __all__ = [
     "dro_loss",
+    "fused_output_stage",
     "optimal_tau",
     "temperature_scaled_cross_entropy",
     "vocab_parallel_dro_loss",

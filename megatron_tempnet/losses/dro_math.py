@@ -68,6 +68,68 @@ def exp_shifted_(
     return s_local, q_local
 
 
+def tempered_sums(
+    logits_2d: torch.Tensor, row_max: torch.Tensor, tau: torch.Tensor, *, need_q: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Local partial ``(S, Q)`` of ``z = (L - M) / tau`` without writing ``exp(z)`` anywhere.
+
+    The fused output stage's forward: its logits are recomputed in the backward pass, so only
+    the sums are kept. ``logits_2d [T, V_true_local]`` is not modified; block temporaries only.
+    """
+    n_rows, n_cols = logits_2d.shape
+    s_local = torch.zeros(n_rows, dtype=logits_2d.dtype, device=logits_2d.device)
+    q_local = torch.zeros_like(s_local) if need_q else None
+    if n_cols == 0:
+        return s_local, q_local
+    step = _block_rows(n_rows, n_cols, logits_2d.device)
+    z_buf = torch.empty(step, n_cols, dtype=logits_2d.dtype, device=logits_2d.device)
+    e_buf = torch.empty_like(z_buf)
+    for r0 in range(0, n_rows, step):
+        r1 = min(r0 + step, n_rows)
+        z, e = z_buf[: r1 - r0], e_buf[: r1 - r0]
+        torch.sub(logits_2d[r0:r1], row_max[r0:r1, None], out=z)  # subtract, then divide
+        z.div_(tau[r0:r1, None])
+        torch.exp(z, out=e)
+        torch.sum(e, dim=1, out=s_local[r0:r1])
+        if need_q:
+            z.mul_(e)
+            torch.sum(z, dim=1, out=q_local[r0:r1])
+    return s_local, q_local
+
+
+def tempered_softmax_(
+    logits_2d: torch.Tensor,
+    row_max: torch.Tensor,
+    tau: torch.Tensor,
+    row_scale: torch.Tensor,
+    logit_coef: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """In place: ``L -> row_scale * exp((L - M) / tau) [+ logit_coef * L]``, block by block.
+
+    With ``row_scale = g / S`` this is ``g * softmax(L / tau)`` (the fused output stage's
+    backward, before the target's ``-g`` is subtracted). ``logit_coef [T]`` adds a multiple of
+    the logits themselves (the gradient of TempNet's normalised input, without stop-gradient).
+    """
+    n_rows, n_cols = logits_2d.shape
+    if n_cols == 0:
+        return logits_2d
+    step = _block_rows(n_rows, n_cols, logits_2d.device)
+    keep = None
+    if logit_coef is not None:
+        keep = torch.empty(step, n_cols, dtype=logits_2d.dtype, device=logits_2d.device)
+    for r0 in range(0, n_rows, step):
+        r1 = min(r0 + step, n_rows)
+        block = logits_2d[r0:r1]
+        if keep is not None:
+            linear = keep[: r1 - r0]
+            torch.mul(block, logit_coef[r0:r1, None], out=linear)
+        block.sub_(row_max[r0:r1, None]).div_(tau[r0:r1, None]).exp_()
+        block.mul_(row_scale[r0:r1, None])
+        if keep is not None:
+            block.add_(linear)
+    return logits_2d
+
+
 def newton_sums(logits_2d: torch.Tensor, row_max: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     """Local partial ``[S, Q, R]`` per row, in float64, for Newton's method on tau.
 

@@ -138,13 +138,26 @@ class TempNetLM(nn.Module):
         logits_2d = vocab_parallel_logits.reshape(-1, self.partition_size)[:, : self.part.n_true]
         # float32 whatever the LM's dtype (utils.precision): [T, d1]
         y = normalised_parallel_linear(logits_2d, f32(self.weight1), self.tp, self.stop_grad)
+        return self.tau_from_projection(y, tau_max).view(lead)
+
+    def tau_from_projection(self, y: torch.Tensor, tau_max: float | None = None) -> torch.Tensor:
+        """TempNet after its transformation's product: ``y = W1 Lbar`` ``[T, d1]`` (complete
+        over the vocabulary, identical on every TP rank) -> tau ``[T]``, float32.
+
+        The fused output stage (``losses.output_stage``) builds ``y`` chunk by chunk and calls
+        this; ``forward`` is ``normalised_parallel_linear`` then this.
+        """
         v = self.dropout(torch.sigmoid(y + f32(self.bias1)))
         u = v @ f32(self.weight2).t()  # [T, d2]
         s = self.pooling(u)  # [T]
         upper = self._upper(tau_max)
         if not upper > self.tau_min:
             raise ValueError(f"tau_max ({upper}) must be > tau_min ({self.tau_min})")
-        return bounded_temperature(s, self.tau_min, upper).view(lead)
+        return bounded_temperature(s, self.tau_min, upper)
+
+    def projection_parameters(self) -> list[nn.Parameter]:
+        """The parameters ``tau_from_projection`` reads (all but ``weight1``)."""
+        return [p for name, p in self.named_parameters() if name != "weight1"]
 
     def _upper(self, tau_max: float | None) -> float:
         if tau_max is not None:

@@ -48,7 +48,7 @@ def test_model_states_match_deepspeeds_estimators(preset, vocab, dp):
         assert ours == pytest.approx(theirs, rel=0.05), (zero, ours, theirs)
 
 
-def _measure(tp: int, seq: int, mbs: int, vocab: int, recompute: bool, llama: bool) -> dict:
+def _measure(tp: int, seq: int, mbs: int, vocab: int, recompute: bool, llama: bool, fused: bool):
     """One training step of model + TempNet + DRO loss after a warm-up step; the peak of live
     tensor bytes (parameters, gradients, optimizer states, activations) from megatron-core's
     pieces through torch's MemTracker."""
@@ -69,7 +69,8 @@ def _measure(tp: int, seq: int, mbs: int, vocab: int, recompute: bool, llama: bo
     lm = build_gpt_model(cfg, tensor_parallel_size=tp, recompute_activations=recompute)
     group = parallel_state.get_tensor_model_parallel_group()
     tempnet = TempNetLM(vocab, padded_vocab_size=cfg.padded_vocab_size(tp), tp_group=group)
-    module = TrainModule(lm, tempnet, LossConfig(rho=10.0), vocab, freeze_lm=False, tp_group=group)
+    loss = LossConfig(rho=10.0, fused_output_stage=fused, output_stage_chunk_size=CHUNK)
+    module = TrainModule(lm, tempnet, loss, vocab, freeze_lm=False, tp_group=group)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocab, (mbs, seq + 1), generator=g)
@@ -98,17 +99,32 @@ def _config(seq: int, vocab: int, llama: bool) -> ModelConfig:
                                    max_position_embeddings=seq, **shape)  # fmt: skip
 
 
+CHUNK = 256  # tokens: the fused output stage in 4 chunks
+
+
 @pytest.mark.parametrize(
-    "tp,recompute,llama",
-    [(1, False, False), (2, False, False), (1, True, False), (2, False, True)],
-    ids=["tp1", "tp2", "tp1-recompute", "tp2-llama"],
+    "tp,recompute,llama,fused",
+    [
+        (1, False, False, True),
+        (2, False, False, True),
+        (1, True, False, True),
+        (2, False, True, True),
+        (1, False, False, False),
+    ],
+    ids=["tp1", "tp2", "tp1-recompute", "tp2-llama", "tp1-unfused-output-stage"],
 )
-def test_total_is_within_20_percent_of_the_measured_peak(tp, recompute, llama):
+def test_total_is_within_20_percent_of_the_measured_peak(tp, recompute, llama, fused):
     seq, mbs, vocab = 256, 4, 4096  # activations, logits and the loss's buffers dominate
-    results = run_distributed(_measure, world_size=tp, args=(tp, seq, mbs, vocab, recompute, llama),
-                              timeout=300)  # fmt: skip
+    args = (tp, seq, mbs, vocab, recompute, llama, fused)
+    results = run_distributed(_measure, world_size=tp, args=args, timeout=300)
     cfg = _config(seq, vocab, llama)
-    layout = Layout(tensor_parallel=tp, micro_batch_size=mbs, recompute_activations=recompute)
+    layout = Layout(
+        tensor_parallel=tp,
+        micro_batch_size=mbs,
+        recompute_activations=recompute,
+        fused_output_stage=fused,
+        output_stage_chunk_size=CHUNK,
+    )
     planned = largest(estimate(cfg, layout))
     for rank, got in enumerate(results):
         assert (planned.params.lm, planned.params.tempnet) == (got["lm"], got["tempnet"]), rank

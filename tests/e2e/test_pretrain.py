@@ -24,6 +24,9 @@ def corpus(tmp_path_factory):
     return blend_corpus(str(tmp_path_factory.mktemp("corpus")), vocab_size=512)
 
 
+OUTPUT_CHUNK = 24  # tokens: a micro-batch's 64 in three chunks, the last one partial
+
+
 def _args(corpus, tmp, **flags) -> list[str]:
     spec = corpus["spec"]
     base = {
@@ -33,6 +36,7 @@ def _args(corpus, tmp, **flags) -> list[str]:
         "global-batch-size": 8, "log-interval": 1, "eval-interval": 5, "eval-iters": 1,
         "tempnet-hidden-size": 32, "tempnet-proj-size": 32, "tempnet-rho": 4, "lr": 1e-3,
         "data-cache-path": str(tmp / "cache"), "seed": 5,
+        "output-stage-chunk-size": OUTPUT_CHUNK,
     }  # fmt: skip
     return cli_flags(base, **flags)
 
@@ -63,10 +67,12 @@ LAYOUTS = {  # name: (processes, flags)
 }
 
 
-# megatron-core's unfused attention without the bias fusions: every layout below runs the
-# default fused path and must reproduce this curve
+# megatron-core's unfused attention without the bias fusions, the logits formed whole: every
+# layout below runs the default fused paths (attention, bias fusions, the output stage in
+# chunks of OUTPUT_CHUNK tokens) and must reproduce this curve
 UNFUSED = {"attention-backend": "unfused", "no-bias-gelu-fusion": True,
-           "no-bias-swiglu-fusion": True, "no-bias-dropout-fusion": True}  # fmt: skip
+           "no-bias-swiglu-fusion": True, "no-bias-dropout-fusion": True,
+           "no-fused-output-stage": True}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -118,13 +118,14 @@ eval-iters exit-duration-in-mins exit-interval ffn-hidden-size finetune fixed-ta
 global-batch-size hidden-dropout hidden-size init-method-std keep-last load log-interval loss lr
 lr-decay-iters lr-warmup-fraction lr-warmup-iters make-vocab-size-divisible-by
 max-position-embeddings merge-file metrics-file micro-batch-size min-lr model no-bias-dropout-fusion
-no-bias-gelu-fusion no-bias-swiglu-fusion no-load-optim no-tempnet-stop-grad norm-epsilon
-normalization num-attention-heads num-layers num-query-groups openai-gelu
-pipeline-model-parallel-size position-embedding-type pretrained-checkpoint recompute-activations
-reset-attention-mask reset-position-ids rotary-base save save-interval seed seq-length split swiglu
-tau-source tempnet-hidden-size tempnet-lr tempnet-proj-size tempnet-rho tempnet-tau-max
-tempnet-tau-min tempnet-weight-decay tensor-model-parallel-size tensorboard-dir tokenizer-model
-tokenizer-type train-iters untie-embeddings-and-output-weights vocab-file weight-decay zero-stage"""
+no-bias-gelu-fusion no-bias-swiglu-fusion no-fused-output-stage no-load-optim no-tempnet-stop-grad
+norm-epsilon normalization num-attention-heads num-layers num-query-groups openai-gelu
+output-stage-chunk-size pipeline-model-parallel-size position-embedding-type pretrained-checkpoint
+recompute-activations reset-attention-mask reset-position-ids rotary-base save save-interval seed
+seq-length split swiglu tau-source tempnet-hidden-size tempnet-lr tempnet-proj-size tempnet-rho
+tempnet-tau-max tempnet-tau-min tempnet-weight-decay tensor-model-parallel-size tensorboard-dir
+tokenizer-model tokenizer-type train-iters untie-embeddings-and-output-weights vocab-file
+weight-decay zero-stage"""
 CLIP_FLAGS = """adam-beta1 adam-beta2 adam-eps attention-backend bf16 caption-key caption-noise
 clip-grad clip-loss context-length deepspeed-config embed-dim eval-batch-size eval-interval
 eval-iters exit-duration-in-mins exit-interval finetune fp16 global-batch-size image-augment

@@ -19,6 +19,8 @@ weights the one-process model has at the same index, whatever the layout.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -31,6 +33,32 @@ from megatron_tempnet.models.transformer import (
     transformer_config,
     vocab_parallel_embedding,
 )
+
+
+class FinalHidden(NamedTuple):
+    """What the output layer would multiply: the fused output stage's input
+    (``losses.output_stage``), passed on instead of the logits (``--fused-output-stage``).
+
+    A tuple of tensors, so that DeepSpeed's pipeline finds them in the last stage's outputs: it
+    starts its backward pass (clearing the last micro-batch's 16-bit gradients) in a hook on the
+    first of them that the backward pass reaches. On a pipeline stage the weight and TempNet's
+    parameters are therefore views made in the forward pass (``stage_view``): their gradients
+    pass those hooks before they accumulate.
+    """
+
+    hidden: torch.Tensor
+    """``[s, b, h]`` the final norm's output."""
+    weight: torch.Tensor
+    """``[V_pad/tp, h]`` this rank's slice of the output layer (tied: the word embeddings)."""
+    tempnet: nn.Module | None = None
+    """TempNet, added by a pipeline's last piece."""
+    tempnet_params: tuple[torch.Tensor, ...] | None = None
+    """Views of TempNet's ``weight1`` and ``projection_parameters()`` (pipeline)."""
+
+
+def stage_view(param: torch.Tensor) -> torch.Tensor:
+    """A parameter as a tensor of this forward pass (see ``FinalHidden``)."""
+    return param.view_as(param)
 
 
 class WordEmbedding(nn.Module):
@@ -55,6 +83,10 @@ class WordEmbedding(nn.Module):
         logits, _ = self.output_layer(hidden, weight=self.word_embeddings.weight)
         return logits.transpose(0, 1).contiguous()
 
+    def final_hidden(self, hidden: torch.Tensor) -> FinalHidden:
+        """The tied output layer's input instead of its logits (the fused output stage)."""
+        return FinalHidden(hidden, stage_view(self.word_embeddings.weight))
+
 
 class EmbeddingOutput(nn.Module):
     """Learned absolute positions (GPT-2; nothing for RoPE), the [s, b, h] layout, dropout."""
@@ -78,13 +110,20 @@ class EmbeddingOutput(nn.Module):
 class OutputLayer(nn.Module):
     """Untied output layer: [s, b, h] -> vocabulary-parallel logits [b, s, V_pad/tp]."""
 
-    def __init__(self, config, vocab_size: int):
+    def __init__(self, config, vocab_size: int, fused: bool = False):
         super().__init__()
         self.output_layer = _output_layer(config, vocab_size, shared_weight=False)
+        self.fused = fused
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | FinalHidden:
+        if self.fused:
+            return self.final_hidden(hidden)
         logits, _ = self.output_layer(hidden)
         return logits.transpose(0, 1).contiguous()
+
+    def final_hidden(self, hidden: torch.Tensor) -> FinalHidden:
+        """The output layer's input instead of its logits (the fused output stage)."""
+        return FinalHidden(hidden, stage_view(self.output_layer.weight))
 
 
 def _output_layer(config, vocab_size: int, shared_weight: bool):
@@ -110,10 +149,12 @@ def gpt_layer_specs(
     tensor_parallel_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
     recompute_activations: bool = False,
+    fused_output_stage: bool = False,
 ) -> list:
     """The model as DeepSpeed layer specs (built lazily, on the stage that owns them).
 
-    Tied embeddings (GPT-2) are a ``TiedLayerSpec`` at both ends of the list.
+    Tied embeddings (GPT-2) are a ``TiedLayerSpec`` at both ends of the list. With
+    ``fused_output_stage`` the last piece returns ``FinalHidden`` instead of the logits.
     """
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
@@ -133,12 +174,12 @@ def gpt_layer_specs(
             config,
             vocab,
             True,
-            forward_fn=WordEmbedding.project,
+            forward_fn=WordEmbedding.final_hidden if fused_output_stage else WordEmbedding.project,
             **tied_weight,
         )
     else:
         embedding = LayerSpec(WordEmbedding, config, vocab, False)
-        output = LayerSpec(OutputLayer, config, vocab)
+        output = LayerSpec(OutputLayer, config, vocab, fused_output_stage)
     layers = [
         LayerSpec(TransformerPiece, config, layer_spec, i + 1, rope, recompute_activations)
         for i in range(model.num_layers)
@@ -185,9 +226,24 @@ class GPTStack(nn.Module):
             x = call(x)
         return x
 
+    def final_hidden(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> FinalHidden:
+        """The output layer's input and weight instead of the logits (the fused output stage)."""
+        x = (tokens, position_ids)
+        for call in self._calls[:-1]:
+            x = call(x)
+        return FinalHidden(x, self.output_weight)
+
     @property
     def embedding(self) -> WordEmbedding:
         return self.pieces[0]
+
+    @property
+    def output_weight(self) -> nn.Parameter:
+        """The output layer's ``[V_pad/tp, h]`` weight (tied: the word embeddings')."""
+        last = self.pieces[-1]
+        if isinstance(last, OutputLayer):
+            return last.output_layer.weight
+        return self.embedding.word_embeddings.weight
 
     @property
     def final_norm(self) -> FinalNorm:

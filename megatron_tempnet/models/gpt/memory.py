@@ -27,10 +27,13 @@ attention keeps. The attention is what ``--attention-backend`` builds (``models/
 
 Times layers times micro-batches in flight (DeepSpeed's pipeline keeps ``min(PP - stage,
 micro-batches)``). With recomputation a layer keeps its input only, and one layer is rebuilt at a
-time. A frozen LM keeps nothing: one layer's working set at a time. The last stage adds the
-logits ``[s*b, V/t]`` (``e`` bytes), the loss's float32 buffer (``exp(z)``, then the gradient,
-in place; the reported cross-entropy's transient float32 buffer comes and goes before it), and
-TempNet's activations.
+time. A frozen LM keeps nothing: one layer's working set at a time. The last stage adds, with
+the fused output stage (default), one chunk of ``c`` tokens' logits ``[c, V/t]`` in float32 (and
+the GEMM's ``e``-byte output under bf16/fp16), the per-token statistics the backward pass reuses
+and, under bf16/fp16, the output weight's float32 gradient accumulator; with
+``--no-fused-output-stage`` the whole logits ``[s*b, V/t]`` (``e`` bytes) and the loss's float32
+buffer (``exp(z)``, then the gradient, in place; the reported cross-entropy's transient float32
+buffer comes and goes before it). Both add TempNet's activations.
 While a layer runs it adds a working set (the unfused attention's transient scores; the whole
 layer when it is recomputed or frozen); the output buffers exist only after the last layer, so
 only the larger of the two counts.
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_tempnet.losses.output_stage import default_chunk_size
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.transformer import ModelConfigError
 from megatron_tempnet.tempnet.config import TempNetConfig
@@ -72,6 +76,9 @@ class Layout:
     tempnet: bool = True
     tempnet_hidden_size: int = TempNetConfig.tempnet_hidden_size
     tempnet_proj_size: int = TempNetConfig.tempnet_proj_size
+    fused_output_stage: bool = True
+    output_stage_chunk_size: int = 0
+    """Tokens per chunk of the fused output stage (0: its default)."""
 
     @property
     def micro_batches(self) -> int:
@@ -128,6 +135,11 @@ def check_layout(model: ModelConfig, layout: Layout) -> None:
         raise EstimateError(f"--zero-stage ({lay.zero_stage}) must be 0, 1, 2 or 3")
     if lay.precision not in PRECISIONS:
         raise EstimateError(f"precision {lay.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if lay.output_stage_chunk_size < 0:
+        raise EstimateError(
+            f"--output-stage-chunk-size ({lay.output_stage_chunk_size}) must be >= 1, or 0 for "
+            "the default"
+        )
     per_step = lay.micro_batch_size * lay.data_parallel
     if min(lay.tensor_parallel, lay.pipeline_parallel, lay.data_parallel, lay.micro_batch_size) < 1:
         raise EstimateError("--tp, --pp, --dp and --micro-batch-size must be >= 1")
@@ -237,17 +249,37 @@ def _attention_transient(model: ModelConfig, layout: Layout, seq_length: int) ->
 
 
 def output_bytes(model: ModelConfig, layout: Layout, seq_length: int) -> dict:
-    """The last stage: logits shard, the loss's float32 buffers, TempNet's activations."""
+    """The last stage's buffers: the whole logits shard and the loss's, or the fused stage's."""
     e, t = PRECISIONS[layout.precision], layout.tensor_parallel
     tokens = seq_length * layout.micro_batch_size
     local_vocab = model.padded_vocab_size(t) // t
+    d1, d2 = layout.tempnet_hidden_size, layout.tempnet_proj_size
+    tempnet = e * tokens * (3 * d1 + 3 * d2) if layout.tempnet else 0
+    if layout.fused_output_stage:
+        return _fused_output_bytes(model, layout, tokens, local_vocab) | {
+            "TempNet activations": tempnet
+        }
     logits = e * tokens * local_vocab
     # the loss's float32 exp(z) buffer, then its gradient in place; the reported cross-entropy's
     # transient buffer is freed before the loss allocates it
     loss = 4 * tokens * local_vocab
-    d1, d2 = layout.tempnet_hidden_size, layout.tempnet_proj_size
-    tempnet = e * tokens * (3 * d1 + 3 * d2) if layout.tempnet else 0
     return {"logits shard": logits, "loss buffers": loss, "TempNet activations": tempnet}
+
+
+def _fused_output_bytes(model: ModelConfig, layout: Layout, tokens: int, local_vocab: int):
+    """One chunk of logits at a time (float32; with 16-bit weights also the GEMM's 16-bit
+    output, then the 16-bit gradient), the per-token statistics kept for the backward pass, and
+    with 16-bit weights the float32 accumulator of the output weight's gradient. (The row-block
+    temporaries of its sums, at most 32 MiB, are left out.)"""
+    e = PRECISIONS[layout.precision]
+    chunk = min(tokens, layout.output_stage_chunk_size or default_chunk_size(local_vocab))
+    per_value = 4 + (e if e != 4 else 0)
+    per_token = 4 * tokens * (8 + (layout.tempnet_hidden_size if layout.tempnet else 0))
+    accumulator = 4 * local_vocab * model.hidden_size if e != 4 else 0
+    return {
+        "output-stage chunk": chunk * local_vocab * per_value,
+        "output-stage state": per_token + accumulator,
+    }
 
 
 def estimate(model: ModelConfig, layout: Layout, seq_length: int | None = None) -> list[Estimate]:

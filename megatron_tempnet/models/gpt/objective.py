@@ -17,10 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from megatron_tempnet.losses import (
+    fused_output_stage,
     optimal_tau,
     temperature_scaled_cross_entropy,
     vocab_parallel_dro_loss,
 )
+from megatron_tempnet.models.gpt.layers import FinalHidden
 from megatron_tempnet.tempnet import TempNetLM
 from megatron_tempnet.tempnet.config import TempNetConfig
 from megatron_tempnet.utils.cli import UserError
@@ -47,6 +49,13 @@ class LossConfig(TempNetConfig):
     (fixed: --fixed-tau), or each token's optimal tau by Newton's method (newton, Baseline 2)."""
     fixed_tau: float = 1.0
     """tau for --tau-source fixed."""
+    fused_output_stage: bool = option(True, name="--no-fused-output-stage")
+    """The flag turns off the fused output stage (output layer, TempNet and loss computed chunk
+    by chunk from the final hidden states, never holding the [tokens, V/tp] logits) and
+    computes the whole logits first, as megatron-core's output layer does."""
+    output_stage_chunk_size: int = 0
+    """Tokens per chunk of the fused output stage; 0: as many as keep one chunk's logits under
+    16M values per rank (64 MiB in float32)."""
 
     @property
     def uses_tempnet(self) -> bool:
@@ -76,6 +85,11 @@ class LossConfig(TempNetConfig):
             )
         if not self.stop_grad and self.tau_source != "tempnet":
             raise LossConfigError("--no-tempnet-stop-grad needs --tau-source tempnet")
+        if self.output_stage_chunk_size < 0:
+            raise LossConfigError(
+                f"--output-stage-chunk-size ({self.output_stage_chunk_size}) must be >= 1 token, "
+                "or 0 for the default"
+            )
 
 
 @dataclass
@@ -89,7 +103,7 @@ class TokenLosses:
 
 
 def token_losses(
-    logits: torch.Tensor,
+    logits: torch.Tensor | FinalHidden,
     labels: torch.Tensor,
     config: LossConfig,
     *,
@@ -98,16 +112,22 @@ def token_losses(
     tau: torch.Tensor | None = None,
     tp_group=None,
 ) -> TokenLosses:
-    """Per-token training loss, cross-entropy and tau from vocabulary-parallel logits.
+    """Per-token training loss, cross-entropy and tau from vocabulary-parallel logits, or from
+    the final hidden states through the fused output stage.
 
     Args:
-        logits: ``[b, s, V_pad/tp]`` this rank's slice of the output layer (never gathered).
+        logits: ``[b, s, V_pad/tp]`` this rank's slice of the output layer (never gathered), or
+            the LM's ``FinalHidden`` (``--fused-output-stage``: the logits are never formed).
         labels: ``[b, s]`` target ids.
         vocab_size: the true vocabulary |C|; padded columns are excluded from every sum.
         tempnet: the ``TempNetLM`` for ``--tau-source tempnet``.
         tau: ``[b, s]`` TempNet's prediction, when it ran already (pipeline's last stage).
         tp_group: the tensor-parallel group the vocabulary is split over (None: no TP).
     """
+    if isinstance(logits, FinalHidden):
+        return _fused_token_losses(
+            logits, labels, config, vocab_size=vocab_size, tempnet=tempnet, tp_group=tp_group
+        )
     if config.tau_source == "tempnet":
         if tau is None:
             tau = tempnet(logits)  # [b, s]; detached input unless --no-tempnet-stop-grad
@@ -121,7 +141,8 @@ def token_losses(
                 tp_group=tp_group,
             )
     else:
-        tau = torch.full(labels.shape, config.fixed_tau, dtype=torch.float32, device=labels.device)
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        tau = torch.full(labels.shape, config.fixed_tau, dtype=dtype, device=labels.device)
     common = {"vocab_size": vocab_size, "tp_group": tp_group}
     if config.loss != "ce":
         # reported, not trained on: one more read of the logits, no graph; before the loss, so
@@ -145,6 +166,33 @@ def token_losses(
     return TokenLosses(loss=loss, ce=ce, tau=tau.detach(), ts_ce=ts_ce)
 
 
+def _fused_token_losses(
+    final: FinalHidden, labels, config: LossConfig, *, vocab_size, tempnet, tp_group
+) -> TokenLosses:
+    """``token_losses`` through ``fused_output_stage``: the same values and gradients."""
+    if config.tau_source == "tempnet":
+        source = {"tempnet": tempnet if tempnet is not None else final.tempnet}
+        source["tempnet_params"] = final.tempnet_params
+    elif config.tau_source == "newton":
+        source = {"newton_tau_min": config.tau_min}
+    else:
+        source = {"tau": config.fixed_tau}
+    out = fused_output_stage(
+        final.hidden,  # [s, b, h]: the labels are transposed instead of the hidden states
+        final.weight,
+        labels.t(),
+        loss=config.loss,
+        vocab_size=vocab_size,
+        rho=config.rho,
+        tp_group=tp_group,
+        chunk_size=config.output_stage_chunk_size or None,
+        eval_terms=not torch.is_grad_enabled(),
+        **source,
+    )
+    ts_ce = out.ts_ce.t() if out.ts_ce is not None else None
+    return TokenLosses(loss=out.loss.t(), ce=out.ce.t(), tau=out.tau.t(), ts_ce=ts_ce)
+
+
 def masked_mean(values: torch.Tensor, loss_mask: torch.Tensor, num_tokens: torch.Tensor | float):
     """``sum(values * mask) / num_tokens``: the normalisation by the global token count.
 
@@ -154,11 +202,44 @@ def masked_mean(values: torch.Tensor, loss_mask: torch.Tensor, num_tokens: torch
     return (values.float() * loss_mask.float()).sum() / num_tokens
 
 
+class OutputStage(torch.nn.Module):
+    """The fused output stage of the one-process model, as a module without parameters.
+
+    It reads the output layer's weight and TempNet's parameters, which stay the LM's and
+    TempNet's (in checkpoints and optimizer groups). Being a module lets ZeRO-3 gather them around
+    its forward and backward passes: ``zero3_parameters`` are registered with it.
+    """
+
+    def __init__(self, weight, tempnet, loss: LossConfig, vocab_size: int, tp_group=None):
+        super().__init__()
+        # tuples: neither is a submodule here (no second name in the state dict)
+        self._weight, self._tempnet = (weight,), (tempnet,)
+        self.loss_config, self.vocab_size, self.tp_group = loss, vocab_size, tp_group
+
+    def zero3_parameters(self) -> list[torch.nn.Parameter]:
+        tempnet = self._tempnet[0]
+        return [self._weight[0]] + (list(tempnet.parameters()) if tempnet is not None else [])
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``[s, b, h]`` final hidden states, ``[b, s]`` labels -> ``(loss, ce, tau[, ts_ce])``
+        (tensors: ZeRO-3 finds its backward hooks' anchors in them)."""
+        out = token_losses(
+            FinalHidden(hidden, self._weight[0]),
+            labels,
+            self.loss_config,
+            vocab_size=self.vocab_size,
+            tempnet=self._tempnet[0],
+            tp_group=self.tp_group,
+        )
+        return (out.loss, out.ce, out.tau) + ((out.ts_ce,) if out.ts_ce is not None else ())
+
+
 class TrainModule(torch.nn.Module):
     """The LM and (when tau comes from it) TempNet, as one module for the engine.
 
     Its forward is the whole objective, so that every pass goes through the DeepSpeed engine
-    (ZeRO's per-micro-batch bookkeeping happens in the engine's forward).
+    (ZeRO's per-micro-batch bookkeeping happens in the engine's forward). With the fused output
+    stage the LM stops at its final hidden states and ``output_stage`` does the rest.
     """
 
     def __init__(
@@ -175,11 +256,19 @@ class TrainModule(torch.nn.Module):
         self.tempnet = tempnet
         self.loss_config, self.vocab_size = loss, vocab_size
         self.freeze_lm, self.tp_group = freeze_lm, tp_group
+        self.output_stage = None
+        if loss.fused_output_stage:
+            self.output_stage = OutputStage(lm.output_weight, tempnet, loss, vocab_size, tp_group)
 
     def forward(self, tokens, position_ids, labels) -> TokenLosses:
         """``[b, s]`` token ids, positions and labels -> per-token loss, CE and tau."""
         with torch.no_grad() if self.freeze_lm else contextlib.nullcontext():
-            logits = self.lm(tokens, position_ids)  # [b, s, V_pad/tp]
+            if self.output_stage is not None:
+                hidden = self.lm.final_hidden(tokens, position_ids).hidden  # [s, b, h]
+            else:
+                logits = self.lm(tokens, position_ids)  # [b, s, V_pad/tp]
+        if self.output_stage is not None:
+            return TokenLosses(*self.output_stage(hidden, labels))
         return token_losses(
             logits,
             labels,

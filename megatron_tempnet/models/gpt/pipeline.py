@@ -16,7 +16,7 @@ from torch import nn
 
 from megatron_tempnet import compat
 from megatron_tempnet.models.gpt.config import ModelConfig
-from megatron_tempnet.models.gpt.layers import gpt_layer_specs
+from megatron_tempnet.models.gpt.layers import FinalHidden, gpt_layer_specs, stage_view
 from megatron_tempnet.models.gpt.objective import LossConfig, masked_mean, token_losses
 from megatron_tempnet.models.gpt.step import (
     VALID_STATS,
@@ -34,13 +34,18 @@ from megatron_tempnet.trainer.step import clip_grad_norm_, compute_device
 
 
 class TempNetPiece(nn.Module):
-    """The last piece: logits ``[b, s, V_pad/tp]`` -> (logits, tau ``[b, s]``)."""
+    """The last piece: logits ``[b, s, V_pad/tp]`` -> (logits, tau ``[b, s]``); with the fused
+    output stage, the ``FinalHidden`` with TempNet added (the loss function runs it)."""
 
     def __init__(self, **tempnet_kwargs):
         super().__init__()
         self.tempnet = TempNetLM(**tempnet_kwargs)  # float32 under --bf16 too
 
-    def forward(self, logits: torch.Tensor):
+    def forward(self, logits: torch.Tensor | FinalHidden):
+        if isinstance(logits, FinalHidden):
+            params = [self.tempnet.weight1, *self.tempnet.projection_parameters()]
+            views = tuple(stage_view(p) for p in params)
+            return logits._replace(tempnet=self.tempnet, tempnet_params=views)
         return logits, self.tempnet(logits)
 
 
@@ -68,7 +73,10 @@ class PipelineObjective:
         self.valid_stats = Statistics(VALID_STATS, compute_device())
 
     def __call__(self, outputs, labels):
-        logits, tau = outputs if isinstance(outputs, tuple) else (outputs, None)
+        if isinstance(outputs, FinalHidden):  # the fused output stage
+            logits, tau = outputs, None
+        else:
+            logits, tau = outputs if isinstance(outputs, tuple) else (outputs, None)
         labels, mask = labels
         out = token_losses(
             logits,
@@ -108,6 +116,7 @@ def build_pipeline(
         tensor_parallel_size=tensor_parallel,
         params_dtype=dtype,
         recompute_activations=recompute,
+        fused_output_stage=loss.fused_output_stage,
     )
     if loss.uses_tempnet:
         specs.append(LayerSpec(TempNetPiece, **tempnet_kwargs))

@@ -176,6 +176,13 @@ class GPTTask:
             )
         vocab = config.model.vocab_size
         module = TrainModule(lm, tempnet, config.loss, vocab, t.freeze_lm, tp_group)
+        if config.parallel.zero_stage == 3 and module.output_stage is not None:
+            import deepspeed
+
+            # the fused output stage reads the output weight and TempNet's parameters outside
+            # their modules' forward: ZeRO-3 gathers them for the stage's passes
+            for param in module.output_stage.zero3_parameters():
+                deepspeed.zero.register_external_parameter(module.output_stage, param)
         return module.cuda() if torch.cuda.is_available() else module
 
     def _pipeline_stage(self, config: GPTRunConfig, tp_group):
