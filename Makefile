@@ -6,12 +6,13 @@
 # make bench    loss benchmark (prints a table)
 # make bench-data  preprocessing throughput and memory on a generated 200 MB .jsonl.zst
 # make bench-step  training step: fused vs unfused attention, DRO + TempNet vs CE, the planner
+# make bench-stage the whole output stage: today's (logits formed whole) vs the fused one
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test install lint format bench bench-data bench-step quickstart clean
+.PHONY: test install lint format bench bench-data bench-step bench-stage quickstart clean
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -47,6 +48,9 @@ bench-data: $(STAMP)
 
 bench-step: $(STAMP)
 	$(BIN)/python benchmarks/step_bench.py $(ARGS)
+
+bench-stage: $(STAMP)
+	$(BIN)/python benchmarks/loss_bench.py --section stage --tokens 8192 $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
