@@ -279,15 +279,19 @@ def _with_ratios(rows):
     return rows
 
 
-def _print_stage_table(rows, args, machine):
+def _print_header(args, machine, what: str, column: str, base: str) -> None:
     pages = "" if args.device == "cuda" else f", CPU allocator for timing: {args.allocator}"
-    print(f"# {machine}; T = {args.tokens} tokens, float32, reps = {args.reps}{pages}")
+    print(f"# {machine}; T = {args.tokens} tokens, {what}, reps = {args.reps}{pages}")
     header = (
-        f"{'tp':>2} {'h':>5} {'V/tp':>6}  {'case':<36} {'ms':>9} {'x u':>6} "
-        f"{'peak MB':>9} {'x u':>6}"
+        f"{'tp':>2} {'h':>5} {column:>6}  {'case':<36} {'ms':>9} {'x ' + base:>6} "
+        f"{'peak MB':>9} {'x ' + base:>6}"
     )
     print(header)
     print("-" * len(header))
+
+
+def _print_stage_table(rows, args, machine):
+    _print_header(args, machine, "float32", "V/tp", "u")
     base = {(r["tp"], r["hidden"]): r for r in rows if r["case"] == "u"}
     for r in rows:
         u = base[(r["tp"], r["hidden"])]
@@ -301,21 +305,14 @@ def _print_stage_table(rows, args, machine):
 
 
 def _print_table(rows, args, machine):
-    pages = "" if args.device == "cuda" else f", CPU allocator for timing: {args.allocator}"
-    print(f"# {machine}; T = {args.tokens} tokens, V = {args.vocab}, reps = {args.reps}{pages}")
-    header = (
-        f"{'tp':>2} {'h':>5} {'gemm':>4}  {'case':<36} {'ms':>9} {'x a':>6} "
-        f"{'peak MB':>9} {'x a':>6}"
-    )
-    print(header)
-    print("-" * len(header))
+    _print_header(args, machine, f"V = {args.vocab}", "gemm", "a")
     for r in rows:
         tv = f"{r['time_vs_a']:.3f}" if r["time_vs_a"] else "-"
         pv = f"{r['peak_vs_a']:.3f}" if r["peak_vs_a"] else "-"
         label = f"{r['case']}  {NAMES[r['case']]}"
         ms = "-" if r["time_ms"] is None else f"{r['time_ms']:.1f}"
         print(
-            f"{r['tp']:>2} {r['hidden']:>5} {'yes' if r['gemm'] else 'no':>4}  {label:<36} "
+            f"{r['tp']:>2} {r['hidden']:>5} {'yes' if r['gemm'] else 'no':>6}  {label:<36} "
             f"{ms:>9} {tv:>6} {r['peak_mb']:>9.1f} {pv:>6}"
         )
 

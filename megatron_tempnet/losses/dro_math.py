@@ -30,17 +30,17 @@ def exp_shifted_(
     logits_2d: torch.Tensor,
     row_max: torch.Tensor,
     tau: torch.Tensor,
-    out: torch.Tensor,
+    out: torch.Tensor | None,
     *,
     need_q: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Write ``exp(z)`` into ``out`` and return the local partial sums ``(S, Q)``.
+    """Write ``exp(z)`` into ``out`` (None: nowhere) and return the local partial sums ``(S, Q)``.
 
     Args:
         logits_2d: ``[T, V_true_local]`` logits, float32 or float64; may be ``out`` itself.
         row_max: ``[T]`` global maximum of each row.
         tau: ``[T]`` temperatures (> 0).
-        out: ``[T, V_true_local]`` buffer for ``exp(z)``, same dtype.
+        out: ``[T, V_true_local]`` buffer for ``exp(z)``, same dtype; None keeps only the sums.
         need_q: also return ``Q`` (needed only for the gradient w.r.t. tau).
     Returns:
         ``S [T]`` and ``Q [T]`` (or None), partial over the local columns.
@@ -52,6 +52,7 @@ def exp_shifted_(
         return s_local, q_local
     step = _block_rows(n_rows, n_cols, logits_2d.device)
     z_buf = torch.empty(step, n_cols, dtype=logits_2d.dtype, device=logits_2d.device)
+    e_buf = torch.empty_like(z_buf) if out is None else None
     for r0 in range(0, n_rows, step):
         r1 = min(r0 + step, n_rows)
         z = z_buf[: r1 - r0]
@@ -59,7 +60,7 @@ def exp_shifted_(
         # near the maximum when |L| / tau is large (tau = 1e-3, |L| = 1e4).
         torch.sub(logits_2d[r0:r1], row_max[r0:r1, None], out=z)
         z.div_(tau[r0:r1, None])
-        e = out[r0:r1]
+        e = out[r0:r1] if out is not None else e_buf[: r1 - r0]
         torch.exp(z, out=e)
         torch.sum(e, dim=1, out=s_local[r0:r1])
         if need_q:
@@ -76,25 +77,7 @@ def tempered_sums(
     The fused output stage's forward: its logits are recomputed in the backward pass, so only
     the sums are kept. ``logits_2d [T, V_true_local]`` is not modified; block temporaries only.
     """
-    n_rows, n_cols = logits_2d.shape
-    s_local = torch.zeros(n_rows, dtype=logits_2d.dtype, device=logits_2d.device)
-    q_local = torch.zeros_like(s_local) if need_q else None
-    if n_cols == 0:
-        return s_local, q_local
-    step = _block_rows(n_rows, n_cols, logits_2d.device)
-    z_buf = torch.empty(step, n_cols, dtype=logits_2d.dtype, device=logits_2d.device)
-    e_buf = torch.empty_like(z_buf)
-    for r0 in range(0, n_rows, step):
-        r1 = min(r0 + step, n_rows)
-        z, e = z_buf[: r1 - r0], e_buf[: r1 - r0]
-        torch.sub(logits_2d[r0:r1], row_max[r0:r1, None], out=z)  # subtract, then divide
-        z.div_(tau[r0:r1, None])
-        torch.exp(z, out=e)
-        torch.sum(e, dim=1, out=s_local[r0:r1])
-        if need_q:
-            z.mul_(e)
-            torch.sum(z, dim=1, out=q_local[r0:r1])
-    return s_local, q_local
+    return exp_shifted_(logits_2d, row_max, tau, None, need_q=need_q)
 
 
 def tempered_softmax_(

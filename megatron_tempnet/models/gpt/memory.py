@@ -275,7 +275,8 @@ def _fused_output_bytes(model: ModelConfig, layout: Layout, tokens: int, local_v
     chunk = min(tokens, layout.output_stage_chunk_size or default_chunk_size(local_vocab))
     per_value = 4 + (e if e != 4 else 0)
     per_token = 4 * tokens * (8 + (layout.tempnet_hidden_size if layout.tempnet else 0))
-    accumulator = 4 * local_vocab * model.hidden_size if e != 4 else 0
+    # a frozen LM's weight gets no gradient
+    accumulator = 4 * local_vocab * model.hidden_size if e != 4 and not layout.freeze_lm else 0
     return {
         "output-stage chunk": chunk * local_vocab * per_value,
         "output-stage state": per_token + accumulator,
