@@ -6,6 +6,8 @@ of both and of TempNet out):
   u    today's stage: output GEMM, then ``token_losses`` on the logits (TempNet, DRO, the
        reported cross-entropy), the path of ``--no-fused-output-stage``
   f    the fused output stage: ``token_losses`` on ``FinalHidden`` (the default)
+  f-r  the fused stage with its gradients recomputed in the backward pass
+       (``eager_gradients=False``)
   a    megatron-core's output layer GEMM + ``vocab_parallel_cross_entropy``
   u-ce today's stage with ``--loss ce``
   f-ce the fused stage with ``--loss ce``
@@ -16,10 +18,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-STAGE_CASES = ["u", "f", "a", "u-ce", "f-ce"]
+STAGE_CASES = ["u", "f", "f-r", "a", "u-ce", "f-ce"]
 STAGE_NAMES = {
     "u": "today: GEMM + TempNet + DRO",
     "f": "fused: TempNet + DRO",
+    "f-r": "recompute: TempNet + DRO",
     "a": "megatron-core GEMM + CE",
     "u-ce": "today: GEMM + CE (--loss ce)",
     "f-ce": "fused: CE (--loss ce)",
@@ -36,6 +39,7 @@ def setup_stage(device, tokens: int, hidden: int, vocab: int, tp: int, rank: int
         vocab_parallel_cross_entropy,
     )
 
+    from megatron_tempnet.losses import fused_output_stage
     from megatron_tempnet.models.gpt.layers import FinalHidden
     from megatron_tempnet.models.gpt.objective import LossConfig, token_losses
     from megatron_tempnet.tempnet import TempNetLM
@@ -64,6 +68,11 @@ def setup_stage(device, tokens: int, hidden: int, vocab: int, tp: int, rank: int
             return vocab_parallel_cross_entropy(logits().contiguous(), labels).mean()
         if case.startswith("u"):
             return token_losses(logits(), labels, config, **common).loss.mean()
+        if case == "f-r":  # what token_losses does, without the eager gradients
+            out = fused_output_stage(
+                h, w, labels.t(), loss="dro", rho=config.rho, eager_gradients=False, **common
+            )
+            return out.loss.mean()
         return token_losses(FinalHidden(h, w), labels, config, **common).loss.mean()
 
     def make_step(case):

@@ -140,16 +140,23 @@ class TempNetLM(nn.Module):
         y = normalised_parallel_linear(logits_2d, f32(self.weight1), self.tp, self.stop_grad)
         return self.tau_from_projection(y, tau_max).view(lead)
 
-    def tau_from_projection(self, y: torch.Tensor, tau_max: float | None = None) -> torch.Tensor:
+    def tau_from_projection(
+        self, y: torch.Tensor, tau_max: float | None = None, *, module_hooks: bool = True
+    ) -> torch.Tensor:
         """TempNet after its transformation's product: ``y = W1 Lbar`` ``[T, d1]`` (complete
         over the vocabulary, identical on every TP rank) -> tau ``[T]``, float32.
 
-        The fused output stage (``losses.output_stage``) builds ``y`` chunk by chunk and calls
-        this; ``forward`` is ``normalised_parallel_linear`` then this.
+        ``forward`` is ``normalised_parallel_linear`` then this. The fused output stage
+        (``losses.output_stage``) builds ``y`` chunk by chunk and calls this with
+        ``module_hooks=False``: it back-propagates each chunk inside its own forward pass, which
+        the hooks of the submodules (ZeRO-3's, memory trackers') do not expect; the stage's
+        module gathers TempNet's parameters itself.
         """
-        v = self.dropout(torch.sigmoid(y + f32(self.bias1)))
+        dropout = self.dropout if module_hooks else self.dropout.forward
+        pooling = self.pooling if module_hooks else self.pooling.forward
+        v = dropout(torch.sigmoid(y + f32(self.bias1)))
         u = v @ f32(self.weight2).t()  # [T, d2]
-        s = self.pooling(u)  # [T]
+        s = pooling(u)  # [T]
         upper = self._upper(tau_max)
         if not upper > self.tau_min:
             raise ValueError(f"tau_max ({upper}) must be > tau_min ({self.tau_min})")

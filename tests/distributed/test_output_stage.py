@@ -3,12 +3,18 @@ TP = 1, 2 and 4: per-token values, reported statistics and every gradient, for e
 source, with padded vocabulary columns (some ranks without a true column), masked tokens, tau
 down to 1e-3 and |logits| up to 1e4; and no ``[tokens, V/tp]`` tensor allocated on the way.
 
+The loss's upstream gradient is the loss mask (the training step's), one value for every token,
+or a different value per token; and the same with the gradients recomputed in the backward pass
+only (``eager_gradients=False``).
+
 Both paths go through ``token_losses`` (the GPT objective): the unfused one with the logits, the
 fused one with ``FinalHidden``. Tied and untied output weights are the training runs' business
 (tests/e2e/test_pretrain.py: GPT-2 ties them, the LLaMA pipeline does not).
 """
 
 import contextlib
+import functools
+from unittest import mock
 
 import pytest
 import torch
@@ -16,6 +22,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_tempnet.distributed.groups import parallel_argmax
+from megatron_tempnet.losses import fused_output_stage
+from megatron_tempnet.models.gpt import objective as gpt_objective
 from megatron_tempnet.models.gpt.layers import FinalHidden
 from megatron_tempnet.models.gpt.objective import LossConfig, token_losses
 from megatron_tempnet.tempnet import TempNetLM
@@ -43,6 +51,13 @@ OBJECTIVES = [
     ("dro", "newton", True),
     ("ce", "newton", True),
 ]
+# the loss's upstream gradient (the objectives that use every piece of the gradient, two scales)
+# "mask": the loss mask, the gradient most tokens share plus the masked tokens' (the default
+# above); "uniform": one value everywhere (nothing recomputed); "random": a value per token
+# (almost every token recomputed); "recompute": the mask, gradients only in the backward pass
+UPSTREAM = ["uniform", "random", "recompute"]
+UPSTREAM_OBJECTIVES = [OBJECTIVES[2], OBJECTIVES[1], OBJECTIVES[6]]
+UPSTREAM_SCALES = ["float32", "float64"]
 
 
 def _inputs(scale: str, seed: int = 0):
@@ -93,12 +108,18 @@ class _LargestAllocation(TorchDispatchMode):
         return out
 
 
-def _one_path(fused: bool, scale: str, objective: tuple, *, train: bool = True):
+def _one_path(fused: bool, scale: str, objective: tuple, *, train=True, upstream="mask"):
     """Per-token outputs and every gradient of one path on this rank (hidden's complete)."""
     rank, tp = dist.get_rank(), dist.get_world_size()
     dtype, vocab, extreme, _ = SCALES[scale]
     loss, source, stop_grad = objective
     hidden, weight, labels, mask = _inputs(scale)
+    if upstream == "uniform":
+        mask = torch.full_like(mask, 0.25)
+    elif upstream == "random":
+        mask = torch.rand(mask.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    eager = upstream != "recompute"
+    stage = functools.partial(fused_output_stage, eager_gradients=eager)
     width = PADDED // tp
     weight = weight[rank * width : (rank + 1) * width].clone().requires_grad_(train)
     hidden = hidden.clone().requires_grad_(train)
@@ -114,7 +135,8 @@ def _one_path(fused: bool, scale: str, objective: tuple, *, train: bool = True):
     tempnet = _tempnet(vocab, dtype, extreme, stop_grad) if source == "tempnet" else None
     common = dict(vocab_size=vocab, tempnet=tempnet, tp_group=dist.group.WORLD)
     tracker = _LargestAllocation()
-    with tracker if fused else contextlib.nullcontext():
+    patch = mock.patch.object(gpt_objective, "fused_output_stage", stage)
+    with tracker if fused else contextlib.nullcontext(), patch:
         if fused:
             out = token_losses(FinalHidden(hidden, weight), labels, config, **common)
         else:
@@ -143,6 +165,12 @@ def _all_cases():
             fused = _one_path(True, scale, objective)
             unfused = _one_path(False, scale, objective)
             results[(scale, objective)] = (fused, unfused)
+    for scale in UPSTREAM_SCALES:
+        for objective in UPSTREAM_OBJECTIVES:
+            for upstream in UPSTREAM:
+                fused = _one_path(True, scale, objective, upstream=upstream)
+                unfused = _one_path(False, scale, objective, upstream=upstream)
+                results[(scale, objective, upstream)] = (fused, unfused)
     # evaluation: T-LLM terms from the same call, and the greedy token
     hidden, weight, labels, _ = _inputs("float32")
     width = PADDED // tp
@@ -152,8 +180,6 @@ def _all_cases():
             _one_path(True, "float32", OBJECTIVES[0], train=False)[0],
             _one_path(False, "float32", OBJECTIVES[0], train=False)[0],
         )
-        from megatron_tempnet.losses.output_stage import fused_output_stage
-
         greedy = fused_output_stage(
             hidden, local, labels.t(), loss="ce", vocab_size=203, tau=1.0,
             tp_group=dist.group.WORLD, chunk_size=CHUNK, eval_terms=True,
@@ -189,11 +215,22 @@ def outcomes(request):
 @pytest.mark.parametrize("scale", list(SCALES))
 @pytest.mark.parametrize("objective", OBJECTIVES, ids=lambda o: "-".join(map(str, o)))
 def test_fused_stage_equals_the_unfused_one(outcomes, scale, objective):
+    _check_case(outcomes, scale, (scale, objective))
+
+
+@pytest.mark.parametrize("upstream", UPSTREAM)
+@pytest.mark.parametrize("scale", UPSTREAM_SCALES)
+@pytest.mark.parametrize("objective", UPSTREAM_OBJECTIVES, ids=lambda o: "-".join(map(str, o)))
+def test_any_upstream_gradient(outcomes, scale, objective, upstream):
+    _check_case(outcomes, scale, (scale, objective, upstream))
+
+
+def _check_case(outcomes, scale: str, case: tuple) -> None:
     per_rank, tp = outcomes
     tolerance = SCALES[scale][3]
     tokens = BATCH * SEQ
     for rank, (results, _, _) in enumerate(per_rank):
-        (values, grads, largest), (ref_values, ref_grads, _) = results[(scale, objective)]
+        (values, grads, largest), (ref_values, ref_grads, _) = results[case]
         assert set(values) == set(ref_values) and set(grads) == set(ref_grads)
         for name in ref_values:
             err = _relative(values[name], ref_values[name])

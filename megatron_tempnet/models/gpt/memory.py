@@ -30,7 +30,8 @@ micro-batches)``). With recomputation a layer keeps its input only, and one laye
 time. A frozen LM keeps nothing: one layer's working set at a time. The last stage adds, with
 the fused output stage (default), one chunk of ``c`` tokens' logits ``[c, V/t]`` in float32 (and
 the GEMM's ``e``-byte output under bf16/fp16), the per-token statistics the backward pass reuses
-and, under bf16/fp16, the output weight's float32 gradient accumulator; with
+and, under bf16/fp16, the output weight's float32 gradient accumulator and the hidden states'
+float32 gradient (the stage computes both in its forward pass); with
 ``--no-fused-output-stage`` the whole logits ``[s*b, V/t]`` (``e`` bytes) and the loss's float32
 buffer (``exp(z)``, then the gradient, in place; the reported cross-entropy's transient float32
 buffer comes and goes before it). Both add TempNet's activations.
@@ -269,14 +270,18 @@ def output_bytes(model: ModelConfig, layout: Layout, seq_length: int) -> dict:
 def _fused_output_bytes(model: ModelConfig, layout: Layout, tokens: int, local_vocab: int):
     """One chunk of logits at a time (float32; with 16-bit weights also the GEMM's 16-bit
     output, then the 16-bit gradient), the per-token statistics kept for the backward pass, and
-    with 16-bit weights the float32 accumulator of the output weight's gradient. (The row-block
-    temporaries of its sums, at most 32 MiB, are left out.)"""
+    with 16-bit weights the float32 accumulator of the output weight's gradient and the hidden
+    states' gradient in float32 until the backward pass (both computed in the forward pass).
+    (The row-block temporaries of its sums, at most 32 MiB, are left out.)"""
     e = PRECISIONS[layout.precision]
     chunk = min(tokens, layout.output_stage_chunk_size or default_chunk_size(local_vocab))
     per_value = 4 + (e if e != 4 else 0)
     per_token = 4 * tokens * (8 + (layout.tempnet_hidden_size if layout.tempnet else 0))
     # a frozen LM's weight gets no gradient
-    accumulator = 4 * local_vocab * model.hidden_size if e != 4 and not layout.freeze_lm else 0
+    accumulator = 0
+    if e != 4 and not layout.freeze_lm:
+        h = model.hidden_size
+        accumulator = 4 * local_vocab * h + (4 - e) * tokens * h  # float32 beyond the 16-bit
     return {
         "output-stage chunk": chunk * local_vocab * per_value,
         "output-stage state": per_token + accumulator,

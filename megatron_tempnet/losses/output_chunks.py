@@ -1,0 +1,295 @@
+"""One chunk of the fused output stage (``output_stage.py``): its forward values and gradients.
+
+A chunk is ``c`` tokens' logits ``[c, V_pad/tp]`` on this rank's vocabulary shard. The forward
+pass reduces them to per-token values (``State``); ``chunk_gradients`` turns them in place into
+the gradient of ``sum_t g_t loss_t`` and adds what follows from it to ``Gradients``. Rows are
+given as a slice (consecutive tokens) or as an index tensor (scattered tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_tempnet.distributed.groups import TPGroup, parallel_argmax
+from megatron_tempnet.losses import dro_math
+from megatron_tempnet.losses.newton import optimal_tau
+
+_NORM_EPS = 1e-12  # TempNet's input norm floor, as in tempnet.parallel_input
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one call computes (the non-tensor arguments of the autograd function)."""
+
+    loss: str
+    rho: float
+    vocab_size: int
+    tp: TPGroup
+    chunk: int
+    fixed_tau: float | None
+    newton_tau_min: float | None
+    tempnet: torch.nn.Module | None
+    tau_grad: bool
+    """TempNet learns: tau's gradient is needed (training with TempNet)."""
+    eval_terms: bool
+    eager: bool
+    """Compute the gradients in the forward pass, while each chunk's logits are at hand."""
+
+    @property
+    def tau_in_loss(self) -> bool:
+        return self.loss != "ce"
+
+
+@dataclass
+class State:
+    """Per-token results of the forward pass, ``[T]`` each."""
+
+    loss: torch.Tensor
+    ce: torch.Tensor
+    tau: torch.Tensor
+    row_max: torch.Tensor
+    sum_exp: torch.Tensor  # S at the loss's tau (tau = 1 for --loss ce)
+    dtau: torch.Tensor
+    norm: torch.Tensor  # ||L|| over the true vocabulary (TempNet's input)
+    ts_ce: torch.Tensor | None
+    argmax: torch.Tensor | None
+
+    @classmethod
+    def empty(cls, n: int, dtype, device, eval_terms: bool) -> State:
+        vectors = [torch.zeros(n, dtype=dtype, device=device) for _ in range(7)]
+        extra = [None, None]
+        if eval_terms:
+            extra = [torch.zeros(n, dtype=dtype, device=device)]
+            extra.append(torch.zeros(n, dtype=torch.int64, device=device))
+        return cls(*vectors, *extra)
+
+    def outputs(self) -> tuple[torch.Tensor, ...]:
+        out = (self.loss, self.ce, self.tau)
+        return out + ((self.ts_ce, self.argmax) if self.ts_ce is not None else ())
+
+
+@dataclass
+class Rows:
+    """What a chunk's gradient needs of the forward pass, for its rows."""
+
+    tau: torch.Tensor
+    row_max: torch.Tensor
+    sum_exp: torch.Tensor
+    norm: torch.Tensor
+    target: torch.Tensor
+    y: torch.Tensor | None = None
+    """TempNet's ``W1 Lbar`` (without stop-gradient)."""
+    grad_y: torch.Tensor | None = None
+    """d/dy of ``sum_t g_t loss_t`` through tau (TempNet learning)."""
+
+
+@dataclass
+class Gradients:
+    """Gradients of ``sum_t g_t loss_t``, summed over chunks."""
+
+    hidden: torch.Tensor | None
+    """``[T, h]``: this vocabulary shard's part (summed over the TP group at the end)."""
+    weight: torch.Tensor | None
+    """``[V_pad/tp, h]`` float32 accumulator (float64 for float64 weights)."""
+    w1: torch.Tensor | None
+    projection: list
+    """TempNet's parameters after ``W1`` (None where not wanted)."""
+
+    @classmethod
+    def zeros(cls, needs, hidden, weight, w1, cdtype, eager: bool) -> Gradients:
+        """Zero gradients for the inputs that need one (``needs``: the autograd function's
+        ``needs_input_grad``). 16-bit hidden gradients computed eagerly stay float32 until the
+        backward pass has scaled them."""
+        grad_hidden = grad_weight = grad_w1 = None
+        if needs[2]:
+            wide = hidden.dtype in (torch.float32, torch.float64) or not eager
+            dtype = hidden.dtype if wide else torch.float32
+            grad_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+        if needs[3]:  # float32 accumulation over the chunks, also for 16-bit weights
+            acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+            grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        if needs[4]:
+            grad_w1 = torch.zeros(w1.shape, dtype=cdtype, device=w1.device)
+        return cls(grad_hidden, grad_weight, grad_w1, [None] * len(needs[5:]))
+
+    def add_projection(self, grads) -> None:
+        for i, grad in enumerate(grads):
+            if grad is not None:
+                known = self.projection[i]
+                self.projection[i] = grad if known is None else known + grad
+
+    def scale_(self, c: torch.Tensor) -> None:
+        for t in [self.hidden, self.weight, self.w1, *self.projection]:
+            if t is not None:
+                t.mul_(c.to(t.dtype))
+
+    def finish(self, tp: TPGroup, hidden, weight, w1) -> tuple:
+        """The gradients in the inputs' dtypes, the hidden states' summed over the TP group."""
+        grad_hidden, grad_weight, grad_w1 = self.hidden, self.weight, self.w1
+        if grad_hidden is not None:
+            tp.all_reduce(grad_hidden)  # each vocabulary shard's part of dL/dh
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_w1 is not None:
+            grad_w1 = grad_w1.to(w1.dtype)
+        return (grad_hidden, grad_weight, grad_w1, *self.projection)
+
+
+def chunk_logits(h_c: torch.Tensor, weight: torch.Tensor, dtype) -> torch.Tensor:
+    """``[c, h] x [V_pad/tp, h]^T`` in the LM's dtype (as its output layer), then ``dtype``."""
+    return torch.matmul(h_c, weight.t()).to(dtype)
+
+
+def forward_chunk(plan: Plan, part, logits, target, w1c, state: State, rows, graph) -> None:
+    """The chunk's per-token values into ``state`` (``logits [c, V_pad/tp]`` is not changed)."""
+    tp, x = plan.tp, logits[:, : part.n_true]
+    row_max = torch.amax(x, dim=1) if part.n_true else x.new_full((x.shape[0],), -math.inf)
+    tp.all_reduce(row_max, op=dist.ReduceOp.MAX)
+    target_logit, _, _ = dro_math.gather_target_logits(x, target, part.start, part.n_true)
+    if plan.tempnet is not None:
+        bundle = torch.empty(x.shape[0], w1c.shape[0] + 2, dtype=x.dtype, device=x.device)
+        torch.matmul(x, w1c.t(), out=bundle[:, :-2])
+        bundle[:, -2] = torch.linalg.vector_norm(x, dim=1).square()
+        bundle[:, -1] = target_logit
+        tp.all_reduce(bundle)  # TempNet's input and the target logit, one all-reduce
+        norm = bundle[:, -2].sqrt().clamp_min(_NORM_EPS)
+        tau = _tempnet_tau(plan, bundle[:, :-2] / norm[:, None], graph)
+        target_logit = bundle[:, -1]
+        state.norm[rows] = norm
+    elif plan.newton_tau_min is not None:
+        tau = optimal_tau(
+            logits,
+            rho=plan.rho,
+            tau_min=plan.newton_tau_min,
+            vocab_size=plan.vocab_size,
+            tp_group=tp.group,
+        ).to(x.dtype)
+    else:
+        tau = torch.full_like(row_max, plan.fixed_tau)
+    _reduce_sums(plan, x, row_max, tau, target_logit, state, rows)
+    if state.argmax is not None:
+        state.argmax[rows] = parallel_argmax(x, part.start, tp)
+
+
+def _tempnet_tau(plan: Plan, y: torch.Tensor, graph: list) -> torch.Tensor:
+    """TempNet's layers after ``W1 Lbar``; recorded for the backward pass when TempNet learns."""
+    if not plan.tau_grad:
+        return plan.tempnet.tau_from_projection(y, module_hooks=False).to(y.dtype)
+    y = y.detach().requires_grad_()
+    with torch.enable_grad():
+        tau = plan.tempnet.tau_from_projection(y, module_hooks=False)
+    graph.append((y, tau))
+    return tau.detach().to(y.dtype)
+
+
+def _reduce_sums(plan: Plan, x, row_max, tau, target_logit, state: State, rows) -> None:
+    """S (and Q) at tau and S at tau = 1 in one all-reduce; the chunk's values from them."""
+    need_q = plan.tau_grad
+    s_one, _ = dro_math.tempered_sums(x, row_max, torch.ones_like(tau), need_q=False)
+    columns = [s_one]
+    if plan.tau_in_loss or state.ts_ce is not None:
+        s_tau, q_tau = dro_math.tempered_sums(x, row_max, tau, need_q=need_q)
+        columns += [s_tau] + ([q_tau] if need_q else [])
+    if plan.tempnet is None:
+        columns.append(target_logit)
+    sums = torch.stack(columns, dim=1)  # [c, 1 to 4]
+    plan.tp.all_reduce(sums)
+    if plan.tempnet is None:
+        target_logit = sums[:, -1]
+    margin = row_max - target_logit  # M - L_+
+    ce = torch.log(sums[:, 0]) + margin
+    state.ce[rows], state.tau[rows], state.row_max[rows] = ce, tau, row_max
+    if not plan.tau_in_loss:
+        state.loss[rows], state.sum_exp[rows] = ce, sums[:, 0]
+    else:
+        s_tau = sums[:, 1]
+        log_s = torch.log(s_tau)
+        state.sum_exp[rows] = s_tau
+        if plan.loss == "dro":
+            log_c = math.log(plan.vocab_size)
+            state.loss[rows] = dro_math.dro_value(log_s, margin, tau, log_c, plan.rho)
+            if need_q:
+                state.dtau[rows] = dro_math.dro_dtau(log_s, sums[:, 2] / s_tau, log_c, plan.rho)
+        else:
+            state.loss[rows] = dro_math.ts_ce_value(log_s, margin, tau)
+            if need_q:
+                state.dtau[rows] = dro_math.ts_ce_dtau(sums[:, 2] / s_tau, margin, tau)
+    if state.ts_ce is not None:
+        state.ts_ce[rows] = dro_math.ts_ce_value(torch.log(sums[:, 1]), margin, tau)
+
+
+def tempnet_backward(plan: Plan, graph: list, grad_tau: torch.Tensor, wanted, *, keep: bool):
+    """Backpropagate tau's gradient ``[n]`` through TempNet's layers after ``W1`` recorded for
+    ``graph``'s chunks (``n`` tokens in all): the gradient of ``y = W1 Lbar`` ``[n, d1]`` and of
+    those layers' parameters (``wanted``: which; None where not). ``keep`` keeps the graph."""
+    leaves = [y for y, _ in graph]
+    taus = [tau for _, tau in graph]
+    params = [p for p, want in zip(plan.tempnet.projection_parameters(), wanted) if want]
+    grads_out = grad_tau.split([t.shape[0] for t in taus])
+    grads = torch.autograd.grad(
+        taus,
+        leaves + params,
+        [g.to(t.dtype) for g, t in zip(grads_out, taus)],
+        retain_graph=keep,
+        allow_unused=True,
+    )
+    grad_y = torch.cat([gy.to(grad_tau.dtype) for gy in grads[: len(leaves)]])
+    by_param = iter(grads[len(leaves) :])
+    return grad_y, [next(by_param) if want else None for want in wanted]
+
+
+def chunk_gradients(plan: Plan, part, logits, g, values: Rows, h_c, weight, w1c, grads, rows):
+    """Turn the chunk's logits ``[c, V_pad/tp]`` (overwritten) into d(sum_t g_t loss_t)/dL and
+    add W1's, the hidden rows' and the weight's gradients that follow from it to ``grads``.
+
+    The loss's d/dL is ``g * (softmax(L / tau) - onehot)`` (ts-ce: ``g / tau``; ce: tau = 1);
+    without stop-gradient, tau's path through TempNet's normalised input adds to it.
+    """
+    x = logits[:, : part.n_true]
+    scaled = None
+    if values.grad_y is not None:
+        scaled = values.grad_y / values.norm[:, None]  # [c, d1]: dTempNet/dy / ||L||
+        if grads.w1 is not None:
+            grads.w1.addmm_(scaled.t(), x)
+    if grads.hidden is None and grads.weight is None:
+        return
+    logit_coef = None
+    if scaled is not None and not plan.tempnet.stop_grad:
+        # d(W1 L / ||L||)/dL: (g_y W1 - <g_y, y> L / ||L||) / ||L||
+        logit_coef = -(scaled * values.y).sum(dim=1) / values.norm
+    row_scale = g / values.tau if plan.loss == "ts-ce" else g
+    loss_tau = values.tau if plan.tau_in_loss else torch.ones_like(values.tau)
+    row_factor = row_scale / values.sum_exp
+    dro_math.tempered_softmax_(x, values.row_max, loss_tau, row_factor, logit_coef)
+    _, is_local, index = dro_math.gather_target_logits(x, values.target, part.start, part.n_true)
+    if part.n_true:
+        local_rows = torch.arange(x.shape[0], device=x.device)
+        x[local_rows, index] -= torch.where(is_local, row_scale, torch.zeros_like(row_scale))
+    if logit_coef is not None:
+        x.addmm_(scaled, w1c)
+    logits[:, part.n_true :] = 0.0  # padded vocabulary columns carry no gradient
+    grad_logits = logits.to(h_c.dtype)
+    del logits, x
+    if grads.hidden is not None:
+        _add_rows(grads.hidden, rows, grad_logits, weight)
+    if grads.weight is not None:
+        if grad_logits.dtype == grads.weight.dtype:
+            grads.weight.addmm_(grad_logits.t(), h_c)
+        else:
+            grads.weight.add_(torch.matmul(grad_logits.t(), h_c))
+
+
+def _add_rows(grad_hidden: torch.Tensor, rows, grad_logits, weight) -> None:
+    """``grad_logits @ weight`` into ``grad_hidden[rows]``: set for a slice (rows no pass has
+    written yet), added for an index tensor (the backward pass's corrections)."""
+    if isinstance(rows, slice) and grad_hidden.dtype == grad_logits.dtype:
+        torch.matmul(grad_logits, weight, out=grad_hidden[rows])
+    elif isinstance(rows, slice):
+        grad_hidden[rows] = torch.matmul(grad_logits, weight)
+    else:
+        grad_hidden.index_add_(0, rows, torch.matmul(grad_logits, weight).to(grad_hidden.dtype))
