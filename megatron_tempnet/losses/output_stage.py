@@ -101,6 +101,12 @@ class _FusedOutputStage(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
+        if ctx.plan is None:
+            raise RuntimeError(
+                "the fused output stage's backward pass ran twice on one forward pass (a "
+                "retained graph): it frees its state after the first; run the forward pass "
+                "again, or use --no-fused-output-stage"
+            )
         hidden, weight, w1, target, *vectors = ctx.saved_tensors
         plan, needs, grads = ctx.plan, ctx.needs_input_grad, ctx.grads
         g = grad_loss.to(vectors[0].dtype)
@@ -114,7 +120,7 @@ class _FusedOutputStage(torch.autograd.Function):
             left = torch.nonzero(g).flatten()
         if left is None or left.numel():
             _recompute(ctx, g, left, grads, hidden, weight, w1, target, vectors)
-        ctx.graph, ctx.grads = [], None  # used once
+        ctx.graph, ctx.grads, ctx.plan = [], None, None  # used once
         return (None, None, *grads.finish(plan.tp, hidden, weight, w1))
 
 

@@ -257,3 +257,12 @@ def test_evaluation_terms_and_greedy_tokens(outcomes):
         for name in unfused:
             assert _relative(fused[name], unfused[name]) <= 1e-5, (tp, name)
         assert torch.equal(greedy, expected)
+
+
+def test_a_second_backward_pass_is_refused():
+    hidden, weight, labels, _ = _inputs("float32")
+    hidden.requires_grad_()
+    out = fused_output_stage(hidden, weight, labels.t(), loss="dro", vocab_size=203, tau=0.7)
+    out.loss.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward pass ran twice"):
+        out.loss.sum().backward()
