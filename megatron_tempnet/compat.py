@@ -165,10 +165,44 @@ def check_deepspeed() -> None:
             "deepspeed.PipelineModule no longer marks tied copies ds_pipe_replicated: "
             "megatron_tempnet/compat.py must be updated for the installed version"
         )
+    check_deepspeed_optimizers()
     if not deepspeed.__version__.startswith(SUPPORTED_DEEPSPEED):
         raise UpstreamError(
             f"DeepSpeed {deepspeed.__version__} is installed, the project is written for "
             f"{SUPPORTED_DEEPSPEED}x: install the pinned version (make install)"
+        )
+
+
+def check_deepspeed_optimizers() -> None:
+    """What ``base_optimizer``, ``optimizer_tensors``, ``link_optimizer_states`` and
+    ``zero3_shape`` read."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    for cls in (DeepSpeedZeroOptimizer, BF16_Optimizer):
+        owner = f"{cls.__module__}.{cls.__name__}"
+        _require(cls, "_lazy_init_hp_params_optimizer_state", owner=owner)
+        if "self._hp_optimizer_states_linked = " not in inspect.getsource(cls):
+            raise UpstreamError(
+                f"{owner}._hp_optimizer_states_linked no longer exists in the installed version: "
+                "megatron_tempnet/compat.py must be updated for it"
+            )
+    for cls in (DeepSpeedZeroOptimizer, BF16_Optimizer, DeepSpeedZeroOptimizer_Stage3):
+        _require_assignment(cls, "__init__", "optimizer")
+    if "self.fp32_partitioned_groups_flat = " not in inspect.getsource(
+        DeepSpeedZeroOptimizer_Stage3
+    ):
+        raise UpstreamError(
+            "DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat no longer exists in the "
+            "installed version: megatron_tempnet/compat.py must be updated for it"
+        )
+    from deepspeed.runtime.zero import partition_parameters
+
+    if "ds_shape" not in inspect.getsource(partition_parameters):
+        raise UpstreamError(
+            "deepspeed.runtime.zero.partition_parameters no longer sets ds_shape: "
+            "megatron_tempnet/compat.py must be updated for the installed version"
         )
 
 
@@ -380,3 +414,40 @@ def engine_class(pipeline: bool = False, last_stage_backward: bool = False) -> t
 
     Float32IslandEngine.__name__ = f"Float32Island{base.__name__}"
     return Float32IslandEngine
+
+
+# ------------------------------------------------------------------ DeepSpeed's optimizer wrappers
+
+
+def base_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The PyTorch optimizer that DeepSpeed's wrapper (ZeRO 1-3, bf16) steps on its float32
+    partitions; ``optimizer`` itself when it is not wrapped (ZeRO 0 in float32)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    """The tensors AdamW keeps state for: ZeRO-3 puts its float32 partitions
+    (``fp32_partitioned_groups_flat``) in AdamW's groups only while it steps them; the other
+    wrappers (and an unwrapped optimizer) keep them there."""
+    partitions = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    if partitions is not None:
+        return list(partitions)
+    return [t for group in base_optimizer(optimizer).param_groups for t in group["params"]]
+
+
+def link_optimizer_states(optimizer) -> None:
+    """Let ZeRO 1-2 and the bf16 optimizer map each parameter's fragment of AdamW's states.
+
+    They do it once, after the first group's first step, when the other groups have no state
+    yet (PyTorch creates it lazily): the parameters of every group but the first are left
+    unmapped. Mapping again once every group has its state (after a step, or states created
+    by hand before the first one) fixes that."""
+    link = getattr(optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:
+        optimizer._hp_optimizer_states_linked = False
+        link()
+
+
+def zero3_shape(parameter) -> torch.Size | None:
+    """A ZeRO-3 partitioned parameter's full shape (None for any other parameter)."""
+    return getattr(parameter, "ds_shape", None) if hasattr(parameter, "ds_id") else None

@@ -11,7 +11,8 @@ DeepSpeed's files (``trainer.checkpoint_format``):
 
 Every ``mp_rank`` file carries the run's resolved config under ``"config"``. ``CheckpointReader``
 gives full (TP-merged, vocabulary-unpadded) tensors under ``GPTStack``'s names one at a time,
-from files opened with ``mmap`` so that nothing is read twice or held whole. ``write_checkpoint``
+from files opened with ``mmap`` so that nothing is read twice or held whole. A ZeRO-3 checkpoint
+keeps no weights in those files: it is read from its layout-free copy (``trainer.portable``). ``write_checkpoint``
 writes a weights-only checkpoint (marked ``WEIGHTS_ONLY``) for any TP x PP, one file at a time,
 which ``pretrain_gpt.py`` loads with ``--load``, ``--finetune`` or ``--pretrained-checkpoint``.
 """
@@ -26,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_tempnet.models.gpt.config import ModelConfig
-from megatron_tempnet.models.gpt.sharding import merge, shard
+from megatron_tempnet.distributed.sharding import merge, shard
 from megatron_tempnet.trainer.checkpoint_format import (
     FROZEN_LM_EXCLUDED,
     WEIGHTS_ONLY,
@@ -35,6 +36,7 @@ from megatron_tempnet.trainer.checkpoint_format import (
     publish_latest,
     tag_for,
 )
+from megatron_tempnet.trainer.portable import PortableState, has_portable_state
 
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 TEMPNET_PREFIX = "tempnet."
@@ -77,12 +79,20 @@ class CheckpointReader:
     """The full tensors of a checkpoint of any TP x PP layout.
 
     ``model`` is the saved ``ModelConfig``, ``config`` the saved run config (a dict),
-    ``tensor_parallel``/``pipeline`` the layout it was saved with.
+    ``tensor_parallel``/``pipeline`` the layout it was saved with. ``path``: the checkpoint's own
+    directory (``load_dir``'s newest by default).
     """
 
-    def __init__(self, load_dir: str, flag: str = "--load"):
-        self.path = checkpoint_dir(load_dir, flag)
+    def __init__(self, load_dir: str, flag: str = "--load", *, path: str | None = None):
+        self.path = path or checkpoint_dir(load_dir, flag)
         self.flag = f"{flag} {load_dir}"
+        self.lm_excluded = os.path.exists(os.path.join(self.path, FROZEN_LM_EXCLUDED))
+        self.portable = None
+        if has_portable_state(self.path):
+            state = PortableState(self.path)
+            if state.layout.zero_stage == 3:  # the module files hold no weights
+                self._read_portable(state)
+                return
         layer_files = [f for f in os.listdir(self.path) if _LAYER_FILE.match(f)]
         self.pipeline = bool(layer_files)
         mp_files = sorted(glob.glob(os.path.join(self.path, "mp_rank_*_model_states.pt")))
@@ -93,7 +103,6 @@ class CheckpointReader:
         if "model" not in self.config:
             raise CheckpointError(f"{self.flag}: {mp_files[0]} carries no run config")
         self.model = ModelConfig(**self.config["model"])
-        self.lm_excluded = os.path.exists(os.path.join(self.path, FROZEN_LM_EXCLUDED))
         if self.pipeline:
             self.tensor_parallel = 1 + max(int(_LAYER_FILE.match(f).group(2)) for f in layer_files)
             self._states = self._pipeline_states()
@@ -106,6 +115,16 @@ class CheckpointReader:
                     "it with DeepSpeed's zero_to_fp32.py or save it again with --zero-stage < 3"
                 )
             self._states = [{k.removeprefix("lm."): v for k, v in m.items()} for m in modules]
+
+    def _read_portable(self, state: PortableState) -> None:
+        self.portable = state
+        self.config = state.index.get("config") or {}
+        if "model" not in self.config:
+            raise CheckpointError(f"{self.flag}: {self.path}'s portable state carries no config")
+        self.model = ModelConfig(**self.config["model"])
+        self.tensor_parallel = state.layout.tensor_parallel
+        self.pipeline = state.layout.pipeline_parallel > 1
+        self._states = [{_inner(n): None for n in state.names()}]
 
     def _pipeline_states(self) -> list[dict]:
         states: list[dict] = [{} for _ in range(self.tensor_parallel)]
@@ -135,6 +154,8 @@ class CheckpointReader:
         """The full tensor ``name`` (merged over TP ranks, vocabulary unpadded)."""
         if name not in self._states[0]:
             raise CheckpointError(f"{self.flag}: {self.path} has no tensor {name!r}")
+        if self.portable is not None:
+            return self.portable.full(_outer(name))
         if name.startswith(TEMPNET_PREFIX):  # TempNet's state is TP-agnostic
             return self._states[0][name]
         shards = [s[name] for s in self._states]
@@ -143,10 +164,42 @@ class CheckpointReader:
     def tempnet_state(self) -> dict[str, torch.Tensor]:
         """TempNet's parameters (keys without the ``tempnet.`` prefix)."""
         return {
-            k.removeprefix(TEMPNET_PREFIX): v
+            k.removeprefix(TEMPNET_PREFIX): self.full(k) if self.portable is not None else v
             for k, v in self._states[0].items()
             if k.startswith(TEMPNET_PREFIX)
         }
+
+
+def _outer(name: str) -> str:
+    """A ``GPTStack``/TempNet key as the training module names it (``lm.pieces.…``)."""
+    return name if name.startswith(TEMPNET_PREFIX) else "lm." + name
+
+
+def _inner(name: str) -> str:
+    return name.removeprefix("lm.")
+
+
+class LayoutFreeWeights:
+    """A checkpoint's module files under the training module's names (``lm.pieces.…``,
+    ``tempnet.…``, full tensors): the weights-only source ``trainer.resharding.restore`` reads
+    for a conversion saved at another layout."""
+
+    def __init__(self, directory: str):
+        self.reader = CheckpointReader(os.path.dirname(directory), path=directory)
+        self.tensor_parallel, self.pipeline = self.reader.tensor_parallel, self.reader.pipeline
+        self._names = {_outer(n): n for n in self.reader.names()}
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._names
+
+    def has(self, name: str, key: str) -> bool:
+        return key == "param" and name in self._names
+
+    def full(self, name: str, key: str = "param") -> torch.Tensor:
+        return self.reader.full(self._names[name])
 
 
 def write_checkpoint(

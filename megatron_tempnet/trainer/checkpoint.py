@@ -1,10 +1,19 @@
-"""Checkpoints through the DeepSpeed engine, plus what makes a resume exact.
+"""Checkpoints through the DeepSpeed engine, plus what makes a resume exact at any layout.
 
 The engine writes the module's weights and the optimizer (per model-parallel rank; ZeRO
 partitions per data-parallel rank) with ``client_state``: the iteration, the data position and the
 resolved config. Every rank adds its RNG states and its task state (``rng_rank{r}.pt``, e.g. its
-shard of CLIP's per-sample state). The learning rate is a function of the iteration, so it needs
-no state. The directory layout and the publication of ``latest`` are ``checkpoint_format``'s.
+shard of CLIP's per-sample state), and every checkpoint carries a layout-free copy of the
+training state (``portable/``, ``trainer.portable``). The learning rate is a function of the
+iteration, so it needs no state. The directory layout and the publication of ``latest`` are
+``checkpoint_format``'s.
+
+A resume at the layout that saved (TP, PP, DP size, ZeRO stage) goes through DeepSpeed's load,
+bit for bit, RNG streams included. At another layout it is resharded from ``portable/``
+(``trainer.resharding``): weights, float32 masters, AdamW's moments and step, the iteration and
+the data position are exact; the RNG streams are not carried (dropout draws differ after the
+resume), and the per-rank task states are handed over whole (``load_state_dicts``) to be
+re-keyed.
 
 A run whose frozen parameters come from ``--pretrained-checkpoint`` saves what it trains only
 (``exclude_frozen``) and marks the checkpoint ``FROZEN_LM_EXCLUDED``: a resume reads the frozen
@@ -16,11 +25,14 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import zipfile
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from megatron_tempnet import compat
+from megatron_tempnet.distributed.sharding import TensorLayout
 from megatron_tempnet.trainer.checkpoint_format import (
     FROZEN_LM_EXCLUDED,
     WEIGHTS_ONLY,
@@ -30,6 +42,8 @@ from megatron_tempnet.trainer.checkpoint_format import (
     publish_latest,
     tag_for,
 )
+from megatron_tempnet.trainer.portable import PortableState, has_portable_state
+from megatron_tempnet.trainer.resharding import current_layout, restore, save_portable_state
 from megatron_tempnet.utils.logging import log_rank0
 
 _FROZEN_NOTE = (
@@ -65,11 +79,13 @@ def save_checkpoint(
     keep_last: int = 0,
     exclude_frozen: bool = False,
     rank_state: dict | None = None,
+    tensor_layout: TensorLayout | None = None,
 ) -> None:
     """Save on every rank (collective); publish ``latest`` when all ranks are done.
 
     ``exclude_frozen``: leave out the parameters that do not train. ``rank_state``: this rank's
     own state, saved with its RNG states. ``keep_last``: then delete all but the newest N.
+    ``tensor_layout``: the model's, for the layout-free copy (None: no ``portable/``).
     """
     tag = tag_for(iteration)
     state = dict(client_state, iteration=iteration)
@@ -82,6 +98,16 @@ def save_checkpoint(
     )
     rank_file = os.path.join(save_dir, tag, f"rng_rank{dist.get_rank()}.pt")
     torch.save({**_rng_state(), "rank_state": rank_state}, rank_file)
+    if tensor_layout is not None:
+        save_portable_state(
+            engine,
+            os.path.join(save_dir, tag),
+            tensor_layout=tensor_layout,
+            exclude_frozen=exclude_frozen,
+            iteration=iteration,
+            data=client_state.get("data"),
+            config=client_state.get("config"),
+        )
     if exclude_frozen and dist.get_rank() == 0:
         with open(os.path.join(save_dir, tag, FROZEN_LM_EXCLUDED), "w") as f:
             f.write(_FROZEN_NOTE)
@@ -109,6 +135,9 @@ def load_checkpoint(
     optional: dict[str, str] | None = None,
     flag: str | None = None,
     frozen_loaded: bool = False,
+    tensor_layout: TensorLayout | None = None,
+    weights_reader: Callable | None = None,
+    global_batch_size: int | None = None,
 ) -> dict | None:
     """Restore the newest checkpoint; returns its client state (None: nothing to resume).
 
@@ -118,6 +147,12 @@ def load_checkpoint(
     directory's flag in errors. ``frozen_loaded``: the frozen parameters are in place already,
     so a checkpoint without them (``FROZEN_LM_EXCLUDED``) may be resumed. A checkpoint marked
     ``WEIGHTS_ONLY`` (a conversion) always loads as weights only.
+
+    At another layout than the one that saved, the state is resharded (``tensor_layout``: the
+    model's) from the checkpoint's ``portable/`` copy, or for weights only from its module files
+    (``weights_reader(directory)``: the task's reader, None where it has none); the global batch
+    size must then be ``global_batch_size``'s, and the returned state carries every saved rank's
+    task state (``rank_states``) instead of this rank's.
     """
     source = f"{flag or ('--finetune --load' if weights_only else '--load')} {load_dir}"
     optional = optional or {}
@@ -136,13 +171,28 @@ def load_checkpoint(
             tag,
         )
         weights_only = True
-    _check_layout(engine, directory, source)
     frozen_excluded = has_marker(directory, FROZEN_LM_EXCLUDED)
     if frozen_excluded and not frozen_loaded:  # the task names what to add, before this
         raise CheckpointError(
             f"{source}: {tag} holds the trained parameters without the frozen ones: resume it "
             "as the run that saved it (with its --pretrained-checkpoint)"
         )
+    _check_files(directory, source)
+    other = _other_layout_source(engine, directory, weights_only, weights_reader)
+    if other is not None:
+        return _load_resharded(
+            engine,
+            other,
+            directory,
+            source,
+            weights_only=weights_only,
+            load_optimizer=load_optimizer,
+            optional=optional,
+            frozen_loaded=frozen_loaded,
+            tensor_layout=tensor_layout,
+            global_batch_size=global_batch_size,
+        )
+    _check_layout(engine, directory, source)
     if weights_only:
         _check_weights_source(engine, directory, source, optional)
     if _is_pipeline(engine.module):
@@ -168,6 +218,98 @@ def load_checkpoint(
         client_state["rank_state"] = rank_file.get("rank_state")
     log_rank0("resumed from %s at iteration %d", path, client_state["iteration"])
     return client_state
+
+
+def _check_files(directory: str, source: str) -> None:
+    """Every file of the checkpoint is whole (a truncated one fails here, named)."""
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name.endswith(".pt") and not zipfile.is_zipfile(path):
+            raise CheckpointError(
+                f"{source}: {path} is truncated or not a checkpoint file: the checkpoint is "
+                "damaged (load an older one: set its tag in 'latest')"
+            )
+
+
+def _other_layout_source(engine, directory: str, weights_only: bool, weights_reader):
+    """What to reshard from when the checkpoint was saved at another layout; None: load it
+    with DeepSpeed (the same layout, or a checkpoint that can say nothing about its own)."""
+    if has_portable_state(directory):
+        state = PortableState(directory)
+        return state if state.layout != current_layout(engine) else None
+    if weights_only and weights_reader is not None:
+        from megatron.core import parallel_state as ps
+
+        reader = weights_reader(directory)
+        now = (ps.get_tensor_model_parallel_world_size(), _is_pipeline(engine.module))
+        return reader if (reader.tensor_parallel, reader.pipeline) != now else None
+    return None
+
+
+def _load_resharded(
+    engine,
+    state,
+    directory: str,
+    source: str,
+    *,
+    weights_only: bool,
+    load_optimizer: bool,
+    optional: dict[str, str],
+    frozen_loaded: bool,
+    tensor_layout: TensorLayout | None,
+    global_batch_size: int | None,
+) -> dict | None:
+    """Restore from a checkpoint of another layout (``state``: its ``PortableState``, or the
+    module files' reader for weights only)."""
+    now = current_layout(engine)
+    if isinstance(state, PortableState):
+        saved = str(state.layout)
+    else:
+        saved = f"TP {state.tensor_parallel}" + (" with pipeline parallelism" * state.pipeline)
+    if tensor_layout is None:
+        raise CheckpointError(
+            f"{source}: saved at {saved}, this run is {now}, and this model cannot be resharded: "
+            "resume it at the layout it was saved with"
+        )
+    log_rank0("%s: resharding from %s to %s", source, saved, now)
+    common = dict(label=source, tensor_layout=tensor_layout, optional=optional)
+    if weights_only:
+        restore(engine, state, step=None, skip_frozen=frozen_loaded, **common)
+        log_rank0("loaded weights from %s (--finetune)", directory)
+        return None
+    index = state.index
+    saved_batch = index["config"]["training"]["global_batch_size"]
+    if global_batch_size is not None and saved_batch != global_batch_size:
+        raise CheckpointError(
+            f"{source}: saved with --global-batch-size {saved_batch}, this run has "
+            f"{global_batch_size}: a resume at another layout keeps the global batch size (the "
+            f"data position and the schedule count its samples): set --global-batch-size "
+            f"{saved_batch}"
+        )
+    step = state.step if load_optimizer else None
+    restore(engine, state, step=step, skip_frozen=frozen_loaded, **common)
+    iteration = int(index["iteration"])
+    engine.global_steps, engine.global_samples = iteration, iteration * saved_batch
+    log_rank0(
+        "RNG streams are not carried across a layout change: random draws (dropout) from "
+        "iteration %d on differ from an uninterrupted run's; everything else is exact",
+        iteration + 1,
+    )
+    log_rank0("resumed from %s at iteration %d", directory, iteration)
+    return {
+        "iteration": iteration,
+        "data": index["data"],
+        "config": index["config"],
+        "rank_states": _rank_states(directory),
+    }
+
+
+def _rank_states(directory: str) -> list[dict]:
+    """Every saved rank's task state (CLIP's per-sample state shards), in rank order."""
+    files = glob.glob(os.path.join(directory, "rng_rank*.pt"))
+    files.sort(key=lambda f: int(os.path.basename(f)[len("rng_rank") : -len(".pt")]))
+    states = [torch.load(f, map_location="cpu", weights_only=False).get("rank_state") for f in files]
+    return [s for s in states if s is not None]
 
 
 def _check_layout(engine, directory: str, source: str) -> None:

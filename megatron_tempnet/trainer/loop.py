@@ -132,6 +132,7 @@ def _resume(engine, config: RunConfig, data: TaskData, model: TrainModel) -> tup
     ckpt = config.checkpoint
     start, data_state = 0, DataState(0, dataset_fingerprint(data.train))
     fresh = ckpt.load and latest_tag(ckpt.load) is None
+    reshard = {"tensor_layout": model.tensor_layout, "weights_reader": model.weights_reader}
     if ckpt.pretrained_checkpoint and (fresh or model.frozen_from_pretrained):
         # a fresh run starts from these weights; a frozen-LM run re-reads its LM every time
         log_rank0(
@@ -146,6 +147,7 @@ def _resume(engine, config: RunConfig, data: TaskData, model: TrainModel) -> tup
             load_optimizer=False,
             optional=model.optional,
             flag="--pretrained-checkpoint",
+            **reshard,
         )
     if ckpt.load and not (fresh and ckpt.pretrained_checkpoint):
         client = load_checkpoint(
@@ -155,11 +157,15 @@ def _resume(engine, config: RunConfig, data: TaskData, model: TrainModel) -> tup
             load_optimizer=not ckpt.no_load_optim,
             optional=model.optional,
             frozen_loaded=model.frozen_from_pretrained,
+            global_batch_size=config.training.global_batch_size,
+            **reshard,
         )
         if client is not None:
             start = int(client["iteration"])
             data_state = DataState.from_state_dict(client["data"], data.train)
-            if data.rank_state is not None:
+            if data.rank_state is not None and "rank_states" in client:  # another layout
+                data.rank_state.load_state_dicts(client["rank_states"])
+            elif data.rank_state is not None:
                 data.rank_state.load_state_dict(client.get("rank_state"))
     return start, data_state
 
@@ -174,6 +180,7 @@ def _save(engine, config: RunConfig, iteration: int, loader, data: TaskData, mod
         keep_last=config.checkpoint.keep_last,
         exclude_frozen=model.frozen_from_pretrained,
         rank_state=None if data.rank_state is None else data.rank_state.state_dict(),
+        tensor_layout=model.tensor_layout,
     )
 
 

@@ -22,7 +22,16 @@ from megatron_tempnet.utils.logging import get_logger
 
 class Pipeline(compat.pipeline_module_base()):
     """``PipelineModule(layers, ...)`` plus ``optional`` ({state-dict prefix: what it is}) and
-    ``forward_only``."""
+    ``forward_only``.
+
+    ``name_prefix`` and ``tied_pieces`` (subclasses) map the stage's parameters to the names they
+    have in the one-process model (``layout_free_parameters``): piece ``i``'s ``x`` is
+    ``{name_prefix}{i}.x`` (an optional piece's keeps its own name), a tied module's is that of
+    the piece ``tied_pieces[key]``.
+    """
+
+    name_prefix = ""
+    tied_pieces: dict[str, int] = {}
 
     def __init__(
         self, *args, optional: dict[str, str] | None = None, forward_only: bool = False, **kwargs
@@ -36,6 +45,19 @@ class Pipeline(compat.pipeline_module_base()):
         if self.forward_only:  # a received activation asks for gradients that nobody will use
             forward_input = _detached(forward_input)
         return super().forward(forward_input)
+
+    def layout_free_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This stage's parameters under their one-process names (placeholders left out)."""
+        named = []
+        for name, param in self.named_parameters():
+            head, _, rest = name.partition(".")
+            if head == "tied_modules":
+                key, _, rest = rest.partition(".")
+                named.append((f"{self.name_prefix}{self.tied_pieces[key]}.{rest}", param))
+            elif head.isdigit():
+                optional = any(rest.startswith(prefix) for prefix in self.optional)
+                named.append((rest if optional else f"{self.name_prefix}{head}.{rest}", param))
+        return named
 
     def group_placeholder(self, name: str) -> nn.Parameter:
         """A registered zero parameter standing in for group ``name`` on this stage."""

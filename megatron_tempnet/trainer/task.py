@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron_tempnet.distributed.sharding import TensorLayout
 from megatron_tempnet.trainer.stats import StepStats
 
 
@@ -32,6 +33,9 @@ class Stateful(Protocol):
 
     def load_state_dict(self, state: dict | None) -> None:
         """``state`` is None when the checkpoint has none (the implementation says what to do)."""
+
+    def load_state_dicts(self, states: list[dict]) -> None:
+        """Every rank's saved state, from a checkpoint of another layout: keep this rank's part."""
 
 
 @dataclass
@@ -79,6 +83,13 @@ class TrainModel:
     frozen_from_pretrained: bool = False
     """Frozen parameters are left out of the checkpoints: every resume reads them again from
     --pretrained-checkpoint (TempNet on a frozen LM: the checkpoint holds TempNet only)."""
+    tensor_layout: TensorLayout | None = None
+    """How the split tensors are cut (``distributed.sharding``): checkpoints carry a layout-free
+    copy and resume at any layout. None: only at the layout that saved them."""
+    weights_reader: Callable[[str], Any] | None = None
+    """``reader(checkpoint_directory)``: the module files' full tensors under the layout-free
+    names (``tensor_parallel``, ``pipeline``, ``names()``, ``in``, ``full(name)``,
+    ``has(name, key)``), for weights-only loads of conversions made at another layout."""
 
 
 StepFunction = Callable[[list[dict]], tuple[StepStats, float | None]]

@@ -67,7 +67,7 @@ def _build_stage(model: ModelConfig, tp: int, pp: int, hf_shapes: dict) -> dict:
     from megatron_tempnet.models.gpt import build_gpt_model
     from megatron_tempnet.models.gpt.objective import LossConfig
     from megatron_tempnet.models.gpt.pipeline import build_pipeline
-    from megatron_tempnet.models.gpt.sharding import shard
+    from megatron_tempnet.distributed.sharding import shard
     from megatron_tempnet.tempnet import TempNetLM
 
     apply_cpu_support()

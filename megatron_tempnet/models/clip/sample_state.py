@@ -119,3 +119,30 @@ class ShardedSampleState:
             )
         self.values.copy_(state["values"])
         self.seen.copy_(state["seen"])
+
+    def load_state_dicts(self, states: list[dict]) -> None:
+        """This rank's rows from the shards of a run with another data-parallel size (every
+        saved rank's ``state_dict``; duplicates of a shard, e.g. from TP ranks, are harmless):
+        sample ``i`` = row ``j`` of saved rank ``i % W`` at ``j = i // W``."""
+        fields = (self.num_samples, self.fields)
+        covered = set()
+        for state in states:
+            saved = (state["num_samples"], tuple(state["fields"]))
+            if saved != fields:
+                raise SampleStateError(
+                    f"per-sample state saved for (samples, fields) = {saved}, this run has "
+                    f"{fields}: resume with the same dataset and --clip-loss"
+                )
+            world, rank = state["world"], state["rank"]
+            samples = torch.arange(rank, self.num_samples, world)  # the saved shard's samples
+            mine = samples % self.world == self.rank
+            rows = samples[mine] // self.world
+            self.values[rows] = state["values"][mine].to(self.values)
+            self.seen[rows] = state["seen"][mine].to(self.seen.device)
+            covered.add((world, rank))
+        world = states[0]["world"]
+        if covered != {(world, r) for r in range(world)}:
+            raise SampleStateError(
+                f"per-sample state: the checkpoint has {len(covered)} shard(s), not those of its "
+                f"{world} data-parallel ranks: it is incomplete"
+            )

@@ -21,6 +21,7 @@ from megatron_tempnet.models.clip.data.image_text import ImageTextDataConfig, Im
 from megatron_tempnet.models.clip.data.sampling import EpochShuffledDataset
 from megatron_tempnet.models.clip.evaluation import evaluate_clip
 from megatron_tempnet.models.clip.objective import CLIPTrainModule
+from megatron_tempnet.distributed.sharding import TensorLayout
 from megatron_tempnet.models.clip.sample_state import SampleStateError, ShardedSampleState
 from megatron_tempnet.models.clip.step import train_step
 from megatron_tempnet.models.clip.towers import CLIPModel
@@ -118,6 +119,12 @@ class PerSampleState:
             )
         self.state.load_state_dict(saved["sample_state"])
 
+    def load_state_dicts(self, saved: list[dict]) -> None:
+        shards = [s["sample_state"] for s in saved if s and "sample_state" in s]
+        if not shards:
+            self.load_state_dict(None)  # the error above
+        self.state.load_state_dicts(shards)
+
 
 class CLIPTask:
     """The CLIP family's part of a run (``trainer.task.Task``)."""
@@ -193,7 +200,9 @@ class CLIPTask:
             _init_prototypes(module, data.pairs, config.loss.tempnet_proj_size, t.seed)
         seed_rngs(t.seed)
         module = module.cuda() if torch.cuda.is_available() else module
-        return TrainModel(module, _param_groups(module, config))
+        m, tp = config.model, config.parallel.tensor_model_parallel_size
+        layout = TensorLayout(m.vocab_size, m.padded_vocab_size(tp))
+        return TrainModel(module, _param_groups(module, config), tensor_layout=layout)
 
     def build_step(self, engine, optimizer, config: CLIPRunConfig, data: CLIPData):
         from megatron.core import parallel_state

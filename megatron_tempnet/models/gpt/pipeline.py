@@ -16,7 +16,12 @@ from torch import nn
 
 from megatron_tempnet import compat
 from megatron_tempnet.models.gpt.config import ModelConfig
-from megatron_tempnet.models.gpt.layers import FinalHidden, gpt_layer_specs, stage_view
+from megatron_tempnet.models.gpt.layers import (
+    EMBEDDING_KEY,
+    FinalHidden,
+    gpt_layer_specs,
+    stage_view,
+)
 from megatron_tempnet.models.gpt.objective import LossConfig, masked_mean, token_losses
 from megatron_tempnet.models.gpt.step import (
     VALID_STATS,
@@ -95,6 +100,9 @@ class PipelineObjective:
 
 class GPTPipeline(Pipeline):
     """This rank's stage; TempNet, the last piece, may start fresh from an LM-only checkpoint."""
+
+    name_prefix = "lm.pieces."  # ``TrainModule``'s names
+    tied_pieces = {EMBEDDING_KEY: 0}  # the tied output layer is the word embeddings
 
 
 def build_pipeline(

@@ -18,6 +18,8 @@ import torch
 from megatron_tempnet.data.gpt_data import GPTDataConfig, build_gpt_datasets, num_samples
 from megatron_tempnet.data.loader import DataState, ResumableLoader, dataset_fingerprint
 from megatron_tempnet.data.tokenizers import TokenizerConfig
+from megatron_tempnet.distributed.sharding import TensorLayout
+from megatron_tempnet.inference.checkpoint_io import LayoutFreeWeights
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.gpt.layers import build_gpt_model
 from megatron_tempnet.models.gpt.objective import LossConfig, TrainModule
@@ -143,11 +145,14 @@ class GPTTask:
             module = self._pipeline_stage(config, tp_group)
         else:
             module = self._one_process_module(config, tp_group)
+        m, tp = config.model, config.parallel.tensor_model_parallel_size
         return TrainModel(
             module,
             self._param_groups(module, config),
             optional={"tempnet.": "TempNet"},
             frozen_from_pretrained=_frozen_from_pretrained(config),
+            tensor_layout=TensorLayout(m.vocab_size, m.padded_vocab_size(tp), m.swiglu),
+            weights_reader=LayoutFreeWeights,
         )
 
     def _one_process_module(self, config: GPTRunConfig, tp_group) -> TrainModule:
