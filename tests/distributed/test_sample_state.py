@@ -1,5 +1,5 @@
 """Per-sample state sharded over 1, 2 and 3 ranks: fetch/store against one dense tensor, the
-checkpoint round trip, and errors."""
+checkpoint round trip, re-keying to another DP size, and errors."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _run(world: int):
     restored = ShardedSampleState(N, FIELDS)
     restored.load_state_dict(saved)
     check, _ = restored.fetch(torch.arange(rank * 3, rank * 3 + 3))
-    return fetched, seen_log, check, state.values.numel()
+    return fetched, seen_log, check, state.values.numel(), saved
 
 
 def _reference(world: int):
@@ -62,6 +62,27 @@ def test_sharded_state_equals_one_dense_tensor(world):
     assert sum(r[3] for r in results) == N * len(FIELDS)  # each sample stored exactly once
 
 
+def _rekeyed(saved: list[dict]):
+    from megatron_tempnet.models.clip.sample_state import ShardedSampleState
+
+    state = ShardedSampleState(N, FIELDS)
+    state.load_state_dicts(saved)
+    return state.fetch(torch.arange(N))
+
+
+@pytest.mark.parametrize("saved_world,world", [(2, 3), (3, 2), (2, 1)])
+def test_a_checkpoint_of_another_data_parallel_size_is_rekeyed_exactly(saved_world, world):
+    """Sample i moves to rank i % DP': every rank fetches every sample's saved row, bit for bit."""
+    saved = [r[4] for r in run_distributed(_run, world_size=saved_world, args=(saved_world,))]
+    _, _, dense = _reference(saved_world)
+    seen = torch.zeros(N, dtype=torch.bool)
+    for batch in _batches(saved_world):
+        seen[batch] = True
+    for values, fetched_seen in run_distributed(_rekeyed, world_size=world, args=(saved,)):
+        torch.testing.assert_close(values, dense, rtol=0, atol=0)
+        assert torch.equal(fetched_seen, seen)
+
+
 def _errors():
     from megatron_tempnet.models.clip.sample_state import SampleStateError, ShardedSampleState
 
@@ -72,6 +93,7 @@ def _errors():
         lambda: state.store(torch.tensor([1]), torch.zeros(1, 2)),
         lambda: ShardedSampleState(N + 1, FIELDS).load_state_dict(state.state_dict()),
         lambda: ShardedSampleState(0, FIELDS),
+        lambda: ShardedSampleState(N, FIELDS).load_state_dicts([{**state.state_dict(), "world": 2}]),
     ):
         with pytest.raises(SampleStateError) as e:
             action()
@@ -85,6 +107,7 @@ def test_errors_name_the_problem():
     assert "should be (1, 3)" in messages[1]
     assert "same dataset and data-parallel size" in messages[2]
     assert "dataset size >= 1" in messages[3]
+    assert "the shard of rank 0 of 2 has 23 rows, 12 expected" in messages[4]
 
 
 def test_memory_per_rank_at_400m_samples():

@@ -77,3 +77,63 @@ def test_a_checkpoint_resumes_at_another_layout_exactly(runs, corpus, tmp_path, 
     assert "RNG streams are not carried across a layout change" in out.stderr
     _assert_same_curve(_curve(tmp_path / "m.jsonl"), _curve(runs["straight"] / "m.jsonl"), 6)
     _assert_same_tensors(_final_state(run), _final_state(runs["straight"]))
+
+
+def test_finetune_reads_a_checkpoint_of_another_layout(runs, corpus, tmp_path):
+    """--finetune at TP 1 from the TP 2 x DP 2 checkpoint: the same run as at TP 2 x DP 2."""
+    curves = []
+    for nproc, flags in ((4, SAVED), (1, {"zero-stage": 0})):
+        metrics = tmp_path / f"{nproc}.jsonl"
+        out = _pretrain(nproc, _args(corpus, runs["tmp"], **NO_EVAL, **flags, **{
+            "load": runs["half"], "finetune": True, "train-iters": 2,
+            "metrics-file": metrics}))  # fmt: skip
+        assert ("resharding from" in out.stderr) == (nproc == 1)
+        curves.append(_curve(metrics))
+    _assert_same_curve(curves[1], curves[0], 1)
+
+
+@pytest.fixture(scope="module")
+def frozen_runs(corpus, tmp_path_factory):
+    """An LM (2 iterations, CE) converted to a weights-only checkpoint at TP 2; TempNet on it,
+    frozen, 6 iterations straight at TP 2 (--freeze-lm --pretrained-checkpoint)."""
+    from megatron_tempnet.inference.checkpoint_io import CheckpointReader, write_checkpoint
+
+    tmp = tmp_path_factory.mktemp("frozen")
+    trained = tmp / "trained"
+    _pretrain(1, _args(corpus, tmp, **NO_EVAL, save=trained, loss="ce", **{
+        "tau-source": "fixed", "train-iters": 2}))  # fmt: skip
+    reader = CheckpointReader(str(trained))
+    lm = tmp / "lm"
+    write_checkpoint(str(lm), reader.model, reader.full, tensor_parallel=2)
+    straight = tmp / "straight"
+    _frozen(corpus, tmp, 2, straight, lm, {"tensor-model-parallel-size": 2})
+    return {"tmp": tmp, "lm": lm, "straight": straight}
+
+
+def _frozen(corpus, tmp, nproc, run, lm, flags):
+    return _pretrain(nproc, _args(corpus, tmp, **NO_EVAL, **flags, **{
+        "freeze-lm": True, "pretrained-checkpoint": lm, "load": run, "save": run,
+        "train-iters": 6, "metrics-file": run / "m.jsonl"}))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "saved,resumed",
+    [({"pipeline-model-parallel-size": 2}, {}), ({"tensor-model-parallel-size": 2}, {})],
+    ids=["pp2-to-pp1", "tp2-to-tp1"],
+)
+def test_a_frozen_lm_checkpoint_resumes_at_another_layout(frozen_runs, corpus, saved, resumed):
+    """TempNet-only checkpoints (the LM re-read from a weights-only conversion at TP 2, itself
+    resharded for PP 2 and TP 1) continue exactly at another layout."""
+    tmp, lm = frozen_runs["tmp"], frozen_runs["lm"]
+    run = tmp / "-".join(f"{k}{v}" for k, v in saved.items())
+    _frozen(corpus, tmp, 2, run, lm, {**saved, "exit-interval": 3})
+    assert (run / "iter_0000003" / "FROZEN_LM_EXCLUDED").exists()
+    out = _frozen(corpus, tmp, 1, run, lm, resumed)
+    tp, pp = saved.get("tensor-model-parallel-size", 1), saved.get("pipeline-model-parallel-size", 1)
+    assert f"--pretrained-checkpoint {lm}: resharding from TP 2 to TP 1 x PP 1" in out.stderr
+    assert f"--load {run}: resharding from TP {tp} x PP {pp} x DP 1" in out.stderr
+    straight = frozen_runs["straight"]
+    _assert_same_curve(_curve(run / "m.jsonl"), _curve(straight / "m.jsonl"), 4)
+    a, b = _final_state(run), _final_state(straight)
+    assert a.names() == [n for n in a.names() if n.startswith("tempnet.")]
+    _assert_same_tensors(a, b)

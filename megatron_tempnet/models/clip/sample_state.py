@@ -135,6 +135,12 @@ class ShardedSampleState:
                 )
             world, rank = state["world"], state["rank"]
             samples = torch.arange(rank, self.num_samples, world)  # the saved shard's samples
+            if state["values"].shape[0] != samples.numel():
+                raise SampleStateError(
+                    f"per-sample state: the shard of rank {rank} of {world} has "
+                    f"{state['values'].shape[0]} rows, {samples.numel()} expected: the checkpoint "
+                    "is damaged"
+                )
             mine = samples % self.world == self.rank
             rows = samples[mine] // self.world
             self.values[rows] = state["values"][mine].to(self.values)
