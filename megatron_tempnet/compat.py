@@ -174,8 +174,8 @@ def check_deepspeed() -> None:
 
 
 def check_deepspeed_optimizers() -> None:
-    """What ``base_optimizer``, ``optimizer_tensors``, ``link_optimizer_states`` and
-    ``zero3_shape`` read."""
+    """What ``base_optimizer``, ``optimizer_tensors``, ``link_optimizer_states``,
+    ``zero3_shape`` and ``zero3_local`` read."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -199,9 +199,11 @@ def check_deepspeed_optimizers() -> None:
         )
     from deepspeed.runtime.zero import partition_parameters
 
-    if "ds_shape" not in inspect.getsource(partition_parameters):
+    source = inspect.getsource(partition_parameters)
+    if any(a not in source for a in ("ds_shape", "ds_process_group", "ds_tensor")):
         raise UpstreamError(
-            "deepspeed.runtime.zero.partition_parameters no longer sets ds_shape: "
+            "deepspeed.runtime.zero.partition_parameters no longer sets ds_shape, "
+            "ds_process_group or ds_tensor: "
             "megatron_tempnet/compat.py must be updated for the installed version"
         )
 
@@ -451,3 +453,17 @@ def link_optimizer_states(optimizer) -> None:
 def zero3_shape(parameter) -> torch.Size | None:
     """A ZeRO-3 partitioned parameter's full shape (None for any other parameter)."""
     return getattr(parameter, "ds_shape", None) if hasattr(parameter, "ds_id") else None
+
+
+def zero3_local(parameter, value: torch.Tensor) -> torch.Tensor:
+    """This rank's ZeRO-3 partition of ``value`` (the parameter's full shape): the flattened
+    value zero-padded to a multiple of the partition count, cut like ``ds_tensor``. (DeepSpeed's
+    ``safe_set_full_fp32_param`` cannot set a parameter whose size is not such a multiple.)"""
+    import torch.distributed as dist
+
+    group = parameter.ds_process_group
+    size = parameter.ds_tensor.numel()
+    flat = value.flatten()
+    padded = flat.new_zeros(size * dist.get_world_size(group=group))
+    padded[: flat.numel()] = flat
+    return padded.narrow(0, size * dist.get_rank(group=group), size).clone()

@@ -12,9 +12,10 @@ DeepSpeed's files (``trainer.checkpoint_format``):
 Every ``mp_rank`` file carries the run's resolved config under ``"config"``. ``CheckpointReader``
 gives full (TP-merged, vocabulary-unpadded) tensors under ``GPTStack``'s names one at a time,
 from files opened with ``mmap`` so that nothing is read twice or held whole. A ZeRO-3 checkpoint
-keeps no weights in those files: it is read from its layout-free copy (``trainer.portable``). ``write_checkpoint``
-writes a weights-only checkpoint (marked ``WEIGHTS_ONLY``) for any TP x PP, one file at a time,
-which ``pretrain_gpt.py`` loads with ``--load``, ``--finetune`` or ``--pretrained-checkpoint``.
+keeps no weights in those files: it is read from its layout-free copy (``trainer.portable``).
+``write_checkpoint`` writes a weights-only checkpoint (marked ``WEIGHTS_ONLY``) for any TP x PP,
+one file at a time, which ``pretrain_gpt.py`` loads with ``--load``, ``--finetune`` or
+``--pretrained-checkpoint`` (at any layout).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.distributed.sharding import merge, shard
+from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.trainer.checkpoint_format import (
     FROZEN_LM_EXCLUDED,
     WEIGHTS_ONLY,
@@ -200,6 +201,9 @@ class LayoutFreeWeights:
 
     def full(self, name: str, key: str = "param") -> torch.Tensor:
         return self.reader.full(self._names[name])
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.full(name).shape)
 
 
 def write_checkpoint(

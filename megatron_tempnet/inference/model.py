@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_tempnet.distributed.sharding import shard
 from megatron_tempnet.inference.checkpoint_io import CheckpointReader, lm_names
 from megatron_tempnet.models.gpt.config import ModelConfig
-from megatron_tempnet.distributed.sharding import shard
 from megatron_tempnet.tempnet import TempNetLM
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 from megatron_tempnet.utils.cli import UserError

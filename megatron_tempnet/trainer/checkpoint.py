@@ -43,7 +43,12 @@ from megatron_tempnet.trainer.checkpoint_format import (
     tag_for,
 )
 from megatron_tempnet.trainer.portable import PortableState, has_portable_state
-from megatron_tempnet.trainer.resharding import current_layout, restore, save_portable_state
+from megatron_tempnet.trainer.resharding import (
+    check_shapes,
+    current_layout,
+    restore,
+    save_portable_state,
+)
 from megatron_tempnet.utils.logging import log_rank0
 
 _FROZEN_NOTE = (
@@ -178,7 +183,16 @@ def load_checkpoint(
             "as the run that saved it (with its --pretrained-checkpoint)"
         )
     _check_files(directory, source)
-    other = _other_layout_source(engine, directory, weights_only, weights_reader)
+    other = _other_layout_source(
+        engine,
+        directory,
+        weights_only,
+        weights_reader,
+        label=source,
+        tensor_layout=tensor_layout,
+        optional=optional,
+        skip_frozen=frozen_loaded,
+    )
     if other is not None:
         return _load_resharded(
             engine,
@@ -231,11 +245,15 @@ def _check_files(directory: str, source: str) -> None:
             )
 
 
-def _other_layout_source(engine, directory: str, weights_only: bool, weights_reader):
+def _other_layout_source(engine, directory: str, weights_only: bool, weights_reader, **check):
     """What to reshard from when the checkpoint was saved at another layout; None: load it
-    with DeepSpeed (the same layout, or a checkpoint that can say nothing about its own)."""
+    with DeepSpeed (the same layout, or a checkpoint that can say nothing about its own).
+    A checkpoint's ``portable/`` state is checked against the model first (``check``: the
+    arguments of ``resharding.check_shapes``), at any layout."""
     if has_portable_state(directory):
         state = PortableState(directory)
+        if check["tensor_layout"] is not None:
+            check_shapes(engine, state, whole=not weights_only, **check)
         return state if state.layout != current_layout(engine) else None
     if weights_only and weights_reader is not None:
         from megatron.core import parallel_state as ps
@@ -308,7 +326,9 @@ def _rank_states(directory: str) -> list[dict]:
     """Every saved rank's task state (CLIP's per-sample state shards), in rank order."""
     files = glob.glob(os.path.join(directory, "rng_rank*.pt"))
     files.sort(key=lambda f: int(os.path.basename(f)[len("rng_rank") : -len(".pt")]))
-    states = [torch.load(f, map_location="cpu", weights_only=False).get("rank_state") for f in files]
+    states = [
+        torch.load(f, map_location="cpu", weights_only=False).get("rank_state") for f in files
+    ]
     return [s for s in states if s is not None]
 
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from megatron_tempnet.distributed.sharding import merge_tensor
+from megatron_tempnet.distributed.sharding import full_shape, merge_tensor
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 
 DIRECTORY = "portable"
@@ -123,6 +123,12 @@ class PortableState:
 
     def has(self, name: str, key: str) -> bool:
         return key in self._shards[name][0]
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """The full tensor's shape, without reading it."""
+        shard = self._shards[name][0]["param"].shape
+        tp = self.layout.tensor_parallel
+        return full_shape(self.kind(name), shard, tp, vocab_size=self.vocab_size)
 
     def full(self, name: str, key: str = "param") -> torch.Tensor:
         """The full tensor ``name`` (``param``, ``exp_avg``, ``exp_avg_sq``), merged over TP."""

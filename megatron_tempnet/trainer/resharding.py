@@ -147,7 +147,12 @@ def _prepare_optimizer_states(engine, step: int) -> None:
 
 def _assign(engine, param, value: torch.Tensor, moments: dict[str, torch.Tensor]) -> None:
     """Write a parameter's shard: its weight, and its master and moments if it trains."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    from deepspeed.utils import (
+        safe_set_full_fp32_param,
+        safe_set_full_optimizer_state,
+        safe_set_local_fp32_param,
+        safe_set_local_optimizer_state,
+    )
 
     device = param.device
     if hasattr(param, "ds_id"):  # ZeRO-3: gather, write on the group's first rank, re-partition
@@ -159,7 +164,12 @@ def _assign(engine, param, value: torch.Tensor, moments: dict[str, torch.Tensor]
         param.data.copy_(value.to(device, param.dtype))
     if not param.requires_grad:
         return
-    if _has_master(param):
+    if hasattr(param, "ds_id"):  # ZeRO-3: this rank's partition of master and moments
+        safe_set_local_fp32_param(param, compat.zero3_local(param, value.to(device, torch.float32)))
+        for key, moment in moments.items():
+            local = compat.zero3_local(param, moment.to(device, torch.float32))
+            safe_set_local_optimizer_state(param, local, key)
+    elif _has_master(param):  # ZeRO 1-2, bf16: the fragments this rank holds
         safe_set_full_fp32_param(param, value.to(device, torch.float32))
         for key, moment in moments.items():
             safe_set_full_optimizer_state(param, moment.to(device, torch.float32), key)
@@ -189,43 +199,24 @@ def restore(
     from megatron.core import parallel_state as ps
 
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    params = layout_free_parameters(engine.module)
+    params = check_shapes(
+        engine,
+        source,
+        label=label,
+        tensor_layout=tensor_layout,
+        whole=step is not None,
+        optional=optional,
+        skip_frozen=skip_frozen,
+    )
     if step is not None:
-        every = [None] * dist.get_world_size()  # every stage's names: the whole model's
-        dist.all_gather_object(every, [name for name, _ in params])
-        names = {name for stage in every for name in stage}
-        extra = [n for n in source.names() if n not in names]
-        if extra:
-            raise CheckpointError(
-                f"{label}: the checkpoint's tensor {extra[0]} has no place in this model "
-                f"({len(extra)} such): a checkpoint of another architecture or loss?"
-            )
         _prepare_optimizer_states(engine, step)
     fresh_moments = []
-    for name, param in params:
-        if skip_frozen and not param.requires_grad:
-            continue
-        kind = parameter_kind(name, param, swiglu=tensor_layout.swiglu)
-        if name not in source:
-            what = next((w for p, w in optional.items() if name.startswith(p)), None)
-            if step is None and what is not None:
-                continue  # e.g. TempNet on an LM-only checkpoint: keeps its initialisation
-            raise CheckpointError(
-                f"{label}: the checkpoint has no tensor {name}, which this model has: a "
-                "checkpoint of another architecture or loss?"
-            )
-        full = source.full(name)
-        expected = full_shape(kind, _shape(param), tp, vocab_size=tensor_layout.vocab_size)
-        if tuple(full.shape) != expected:
-            raise CheckpointError(
-                f"{label}: tensor {name} is {tuple(full.shape)} in the checkpoint and "
-                f"{expected} in this model (full, unsharded shapes): a checkpoint of another "
-                "model shape, vocabulary or TempNet size?"
-            )
+    padded_vocab = tensor_layout.padded_vocab_size
+    for name, param, kind in params:
+        shape = _shape(param)
 
-        def mine(tensor: torch.Tensor) -> torch.Tensor:
-            cut = shard_tensor(kind, tensor, rank, tp, padded_vocab=tensor_layout.padded_vocab_size)
-            return cut.view(_shape(param))
+        def mine(tensor: torch.Tensor, kind: str = kind, shape: tuple = shape) -> torch.Tensor:
+            return shard_tensor(kind, tensor, rank, tp, padded_vocab=padded_vocab).view(shape)
 
         moments = {}
         if step is not None and param.requires_grad:
@@ -233,7 +224,7 @@ def restore(
                 moments = {key: mine(source.full(name, key)) for key in MOMENTS}
             else:  # it was frozen when saved
                 fresh_moments.append(name)
-        _assign(engine, param, mine(full), moments)
+        _assign(engine, param, mine(source.full(name)), moments)
     if fresh_moments:
         log_rank0(
             "%d tensor(s) did not train in the checkpoint (e.g. %s): their AdamW moments start "
@@ -241,3 +232,54 @@ def restore(
             len(fresh_moments),
             fresh_moments[0],
         )
+
+
+def check_shapes(
+    engine,
+    source,
+    *,
+    label: str,
+    tensor_layout: TensorLayout,
+    whole: bool,
+    optional: dict[str, str],
+    skip_frozen: bool,
+) -> list[tuple[str, torch.nn.Parameter, str]]:
+    """The checkpoint fits this model: every parameter is there (but ``optional`` ones when not
+    ``whole``), with the same full shape, and (``whole``) the checkpoint has nothing else.
+    Returns this rank's (name, parameter, kind) to read; errors name the first misfit."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    named = layout_free_parameters(engine.module)
+    if whole:
+        every = [None] * dist.get_world_size()  # every stage's names: the whole model's
+        dist.all_gather_object(every, [name for name, _ in named])
+        names = {name for stage in every for name in stage}
+        extra = [n for n in source.names() if n not in names]
+        if extra:
+            raise CheckpointError(
+                f"{label}: the checkpoint's tensor {extra[0]} has no place in this model "
+                f"({len(extra)} such): a checkpoint of another architecture or loss?"
+            )
+    params = []
+    for name, param in named:
+        if skip_frozen and not param.requires_grad:
+            continue
+        kind = parameter_kind(name, param, swiglu=tensor_layout.swiglu)
+        if name not in source:
+            if not whole and any(name.startswith(p) for p in optional):
+                continue  # e.g. TempNet on an LM-only checkpoint: keeps its initialisation
+            raise CheckpointError(
+                f"{label}: the checkpoint has no tensor {name}, which this model has: a "
+                "checkpoint of another architecture or loss?"
+            )
+        saved = tuple(source.full_shape(name))
+        expected = full_shape(kind, _shape(param), tp, vocab_size=tensor_layout.vocab_size)
+        if saved != expected:
+            raise CheckpointError(
+                f"{label}: tensor {name} is {saved} in the checkpoint and {expected} in this "
+                "model (full, unsharded shapes): a checkpoint of another model shape, "
+                "vocabulary or TempNet size?"
+            )
+        params.append((name, param, kind))
+    return params

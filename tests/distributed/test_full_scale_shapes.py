@@ -63,11 +63,11 @@ def _build_stage(model: ModelConfig, tp: int, pp: int, hf_shapes: dict) -> dict:
     from megatron.core import parallel_state
 
     from megatron_tempnet.compat import apply_cpu_support
+    from megatron_tempnet.distributed.sharding import shard
     from megatron_tempnet.inference.hf_weights import from_hf
     from megatron_tempnet.models.gpt import build_gpt_model
     from megatron_tempnet.models.gpt.objective import LossConfig
     from megatron_tempnet.models.gpt.pipeline import build_pipeline
-    from megatron_tempnet.distributed.sharding import shard
     from megatron_tempnet.tempnet import TempNetLM
 
     apply_cpu_support()

@@ -93,7 +93,9 @@ def _errors():
         lambda: state.store(torch.tensor([1]), torch.zeros(1, 2)),
         lambda: ShardedSampleState(N + 1, FIELDS).load_state_dict(state.state_dict()),
         lambda: ShardedSampleState(0, FIELDS),
-        lambda: ShardedSampleState(N, FIELDS).load_state_dicts([{**state.state_dict(), "world": 2}]),
+        lambda: ShardedSampleState(N, FIELDS).load_state_dicts(
+            [{**state.state_dict(), "world": 2}]
+        ),
     ):
         with pytest.raises(SampleStateError) as e:
             action()

@@ -129,7 +129,10 @@ def test_a_frozen_lm_checkpoint_resumes_at_another_layout(frozen_runs, corpus, s
     _frozen(corpus, tmp, 2, run, lm, {**saved, "exit-interval": 3})
     assert (run / "iter_0000003" / "FROZEN_LM_EXCLUDED").exists()
     out = _frozen(corpus, tmp, 1, run, lm, resumed)
-    tp, pp = saved.get("tensor-model-parallel-size", 1), saved.get("pipeline-model-parallel-size", 1)
+    tp, pp = (
+        saved.get("tensor-model-parallel-size", 1),
+        saved.get("pipeline-model-parallel-size", 1),
+    )
     assert f"--pretrained-checkpoint {lm}: resharding from TP 2 to TP 1 x PP 1" in out.stderr
     assert f"--load {run}: resharding from TP {tp} x PP {pp} x DP 1" in out.stderr
     straight = frozen_runs["straight"]
@@ -137,3 +140,69 @@ def test_a_frozen_lm_checkpoint_resumes_at_another_layout(frozen_runs, corpus, s
     a, b = _final_state(run), _final_state(straight)
     assert a.names() == [n for n in a.names() if n.startswith("tempnet.")]
     _assert_same_tensors(a, b)
+
+
+def test_a_zero3_checkpoint_exports_like_a_zero1_one(runs, corpus, tmp_path):
+    """The same weights saved by ZeRO 3 (--finetune --lr 0 for one iteration: nothing moves)
+    export to Hugging Face and to a TempNet file exactly as the ZeRO-1 checkpoint does."""
+    from tests.e2e.test_hf_interop import tool
+    from tests.helpers.hf_models import load_hf
+
+    zero3 = tmp_path / "zero3"
+    _pretrain(4, _args(corpus, runs["tmp"], **NO_EVAL, **{
+        "tensor-model-parallel-size": 2, "zero-stage": 3, "load": runs["half"], "finetune": True,
+        "train-iters": 1, "lr": 0.0, "min-lr": 0.0, "save": zero3}))  # fmt: skip
+    assert not list((zero3 / "iter_0000001").glob("mp_rank_*"))  # no module files: ZeRO-3
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits, tempnets = [], []
+    for name, ckpt in (("zero1", runs["half"]), ("zero3", zero3)):
+        hf = tmp_path / f"{name}-hf"
+        tool("checkpoint/convert_megatron_to_hf.py", "--load", ckpt, "--save", hf)
+        with torch.no_grad():
+            logits.append(load_hf(str(hf))(tokens).logits)
+        tool("export_tempnet.py", "--load", ckpt, "--output", tmp_path / f"{name}-tempnet")
+        files = sorted((tmp_path / f"{name}-tempnet").iterdir())
+        tempnets.append({f.name: f.read_bytes() for f in files if f.suffix != ".json"})
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+    assert tempnets[0] and tempnets[0] == tempnets[1]  # byte for byte
+
+
+def _listing(directory) -> dict:
+    return {str(p): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["tempnet-size", "model-shape", "global-batch", "truncated-file", "missing-portable-file"],
+)
+def test_bad_checkpoints_stop_with_what_is_wrong_and_save_nothing(runs, corpus, tmp_path, case):
+    run = tmp_path / "run"
+    shutil.copytree(runs["half"], run)
+    tag = run / "iter_0000005"
+    nproc, flags, message = 1, {"zero-stage": 0}, None
+    if case == "tempnet-size":  # at another layout
+        flags["tempnet-hidden-size"] = 16
+        message = "tensor tempnet.weight1 is (32, 512) in the checkpoint and (16, 512) in this"
+    elif case == "model-shape":  # at the layout that saved it (DeepSpeed's load never starts)
+        nproc, flags = 4, {**SAVED, "ffn-hidden-size": 96}
+        message = (
+            "lm.pieces.2.layer.mlp.linear_fc1.weight is (256, 64) in the checkpoint and (96, 64) in"
+        )
+    elif case == "global-batch":
+        flags["global-batch-size"] = 16
+        message = "saved with --global-batch-size 8, this run has 16"
+    elif case == "truncated-file":
+        data = (tag / "mp_rank_01_model_states.pt").read_bytes()
+        (tag / "mp_rank_01_model_states.pt").write_bytes(data[: len(data) // 2])
+        message = f"{tag / 'mp_rank_01_model_states.pt'} is truncated or not a checkpoint file"
+    else:
+        (tag / "portable" / "stage_tp01_pp000.pt").unlink()
+        message = f"{tag / 'portable' / 'stage_tp01_pp000.pt'} is missing"
+    before = _listing(run)
+    out = _pretrain(nproc, _args(corpus, runs["tmp"], **NO_EVAL, **flags, **{
+        "load": run, "save": run}), check=False)  # fmt: skip
+    assert out.returncode != 0
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert errors and message in errors[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    assert _listing(run) == before  # --save (the same directory) untouched

@@ -289,8 +289,9 @@ def test_resume_at_another_data_parallel_size_rekeys_the_state(
     for x, y in zip(a[5:], b[5:]):
         for key in ("loss", "tau_mean", "tau_min", "tau_max", "grad_norm"):
             assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-7), (x["iteration"], key)
-    first, second = _every_sample_state(straight / "ckpt", 10), _every_sample_state(
-        split / "ckpt", 10
+    first, second = (
+        _every_sample_state(straight / "ckpt", 10),
+        _every_sample_state(split / "ckpt", 10),
     )
     assert first["seen"].all() and torch.equal(first["seen"], second["seen"])
     # float32 noise: the uninterrupted runs at DP 1 and DP 2 differ by up to 3e-5 (s, |s| <= 10)

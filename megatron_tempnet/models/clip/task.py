@@ -15,13 +15,13 @@ from functools import partial
 import torch
 
 from megatron_tempnet.data.tokenizers import TokenizerConfig
+from megatron_tempnet.distributed.sharding import TensorLayout
 from megatron_tempnet.models.clip.config import CLIPLossConfig, CLIPModelConfig
 from megatron_tempnet.models.clip.data.captions import tokenize_captions
 from megatron_tempnet.models.clip.data.image_text import ImageTextDataConfig, ImageTextDataset
 from megatron_tempnet.models.clip.data.sampling import EpochShuffledDataset
 from megatron_tempnet.models.clip.evaluation import evaluate_clip
 from megatron_tempnet.models.clip.objective import CLIPTrainModule
-from megatron_tempnet.distributed.sharding import TensorLayout
 from megatron_tempnet.models.clip.sample_state import SampleStateError, ShardedSampleState
 from megatron_tempnet.models.clip.step import train_step
 from megatron_tempnet.models.clip.towers import CLIPModel
