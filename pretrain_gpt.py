@@ -19,6 +19,7 @@ import warnings
 # NVIDIA apex and Transformer Engine are optional GPU accelerators: their absence is expected.
 warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed")
 
+from megatron_tempnet.inference.checkpoint_io import LayoutFreeWeights  # noqa: E402
 from megatron_tempnet.models.gpt.arguments import build_parser, config_from_args  # noqa: E402
 from megatron_tempnet.models.gpt.task import GPTTask  # noqa: E402
 from megatron_tempnet.trainer.loop import pretrain  # noqa: E402
@@ -27,7 +28,8 @@ from megatron_tempnet.utils.cli import run_tool  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     config = config_from_args(build_parser().parse_args(argv))
-    return pretrain(config, GPTTask()).exit_code
+    # weights-only conversions (WEIGHTS_ONLY) load at any layout through their module files
+    return pretrain(config, GPTTask(weights_reader=LayoutFreeWeights)).exit_code
 
 
 if __name__ == "__main__":

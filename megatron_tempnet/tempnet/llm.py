@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_tempnet import compat
 from megatron_tempnet.distributed.groups import resolve_tp_group, vocab_partition
 from megatron_tempnet.tempnet.layers import (
     ParameterisedPooling,
@@ -188,8 +187,8 @@ class TempNetLM(nn.Module):
 
     def _gather_weight1(self) -> torch.Tensor:
         w1 = self.weight1.detach()
-        if self.tp.size == 1 or compat.zero3_shape(self.weight1) is not None:
-            return w1  # ZeRO-3: partitioned (its checkpoints keep it in portable/)
+        if self.tp.size == 1 or w1.dim() != 2 or w1.shape[-1] != self.part.n_true:
+            return w1  # not here whole (a ZeRO-3 partition: checkpoints keep it in portable/)
         padded = w1.new_zeros(w1.shape[0], self.partition_size)
         padded[:, : self.part.n_true] = w1
         return self.tp.all_gather(padded, dim=1)[:, : self.vocab_size]

@@ -19,7 +19,6 @@ from megatron_tempnet.data.gpt_data import GPTDataConfig, build_gpt_datasets, nu
 from megatron_tempnet.data.loader import DataState, ResumableLoader, dataset_fingerprint
 from megatron_tempnet.data.tokenizers import TokenizerConfig
 from megatron_tempnet.distributed.sharding import TensorLayout
-from megatron_tempnet.inference.checkpoint_io import LayoutFreeWeights
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.gpt.layers import build_gpt_model
 from megatron_tempnet.models.gpt.objective import LossConfig, TrainModule
@@ -118,9 +117,14 @@ def tempnet_kwargs(config: GPTRunConfig, tp_group) -> dict:
 
 
 class GPTTask:
-    """The GPT family's part of a run (``trainer.task.Task``)."""
+    """The GPT family's part of a run (``trainer.task.Task``). ``weights_reader``: the reader
+    of weights-only conversions at another layout (``inference.checkpoint_io``'s
+    ``LayoutFreeWeights``, which ``pretrain_gpt.py`` passes; None: they load at their own)."""
 
     evaluate_at_end = False
+
+    def __init__(self, weights_reader=None):
+        self.weights_reader = weights_reader
 
     def prepare(self, config: GPTRunConfig, world_size: int):
         """The tokenizer (which decides the vocabulary size); every flag checked."""
@@ -152,7 +156,7 @@ class GPTTask:
             optional={"tempnet.": "TempNet"},
             frozen_from_pretrained=_frozen_from_pretrained(config),
             tensor_layout=TensorLayout(m.vocab_size, m.padded_vocab_size(tp), m.swiglu),
-            weights_reader=LayoutFreeWeights,
+            weights_reader=self.weights_reader,
         )
 
     def _one_process_module(self, config: GPTRunConfig, tp_group) -> TrainModule:
