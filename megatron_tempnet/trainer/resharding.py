@@ -261,14 +261,16 @@ def check_shapes(
                 f"{label}: the checkpoint's tensor {extra[0]} has no place in this model "
                 f"({len(extra)} such): a checkpoint of another architecture or loss?"
             )
-    params = []
+    params, fresh = [], set()
     for name, param in named:
         if skip_frozen and not param.requires_grad:
             continue
         kind = parameter_kind(name, param, swiglu=tensor_layout.swiglu)
         if name not in source:
-            if not whole and any(name.startswith(p) for p in optional):
-                continue  # e.g. TempNet on an LM-only checkpoint: keeps its initialisation
+            what = next((w for p, w in optional.items() if name.startswith(p)), None)
+            if not whole and what is not None:
+                fresh.add(what)  # e.g. TempNet on an LM-only checkpoint: keeps its initialisation
+                continue
             raise CheckpointError(
                 f"{label}: the checkpoint has no tensor {name}, which this model has: a "
                 "checkpoint of another architecture or loss?"
@@ -282,4 +284,6 @@ def check_shapes(
                 "vocabulary or TempNet size?"
             )
         params.append((name, param, kind))
+    for what in sorted(fresh):
+        log_rank0("%s starts from its initialisation: %s has no %s", what, label, what)
     return params
