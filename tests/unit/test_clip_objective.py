@@ -62,16 +62,22 @@ def _features(towers):
     return img, txt
 
 
+ISOGCLR = dict(isogclr_tau_lr=0.004, isogclr_tau_beta=0.5, isogclr_grad_clip=1.5)
+
+
 @pytest.mark.parametrize("loss", ["sogclr", "isogclr", "tempnet"])
-def test_robust_losses_over_three_steps(loss):
-    cfg = CLIPLossConfig(clip_loss=loss, tau_init=0.03, rho=2.0, gamma=0.7, isogclr_tau_lr=0.004)
+def test_robust_losses_over_five_epochs(loss):
+    """Each step is an epoch (every sample is an anchor): iSogCLR's update as published (a
+    moving average, beta 0.5, of the tau-gradient clipped at 1.5 here so that the clip acts)."""
+    cfg = CLIPLossConfig(clip_loss=loss, tau_init=0.03, rho=2.0, gamma=0.7, **ISOGCLR)
     cfg.tempnet_proj_size = 4
     torch.manual_seed(0)
     module = CLIPTrainModule(FakeTowers(1), cfg)
     k = len(cfg.state_fields)
     state, seen = torch.zeros(N, k), torch.zeros(N, dtype=torch.bool)
     ref = {f: [0.0] * N for f in cfg.state_fields}
-    for step in range(3):
+    clipped = 0
+    for step in range(5):
         with torch.no_grad():  # move the features so every step differs
             module.clip.image.add_(0.3 * torch.randn(N, D))
         module.zero_grad()
@@ -93,9 +99,13 @@ def test_robust_losses_over_three_steps(loss):
             extra = torch.tensor(tau_grad) * torch.tensor(tau) if loss == "tempnet" else 0.0
             objective.append(side_loss.detach() + extra)
             ref[f"s_{side}"], ref[f"b_{side}"] = s_new, b_new
-            if loss == "isogclr":
-                ref[f"tau_{side}"] = [min(max(t - 0.004 * g, 0.001), 0.05)
-                                      for t, g in zip(tau, tau_grad)]  # fmt: skip
+            if loss == "isogclr":  # u <- 0.5 u + 0.5 clip(g); tau <- [tau - eta u]
+                clipped += sum(abs(g) > 1.5 for g in tau_grad)
+                u = [0.5 * u + 0.5 * min(max(g, -1.5), 1.5)
+                     for u, g in zip(ref[f"u_{side}"], tau_grad)]  # fmt: skip
+                ref[f"u_{side}"] = u
+                ref[f"tau_{side}"] = [min(max(t - 0.004 * v, 0.005), 0.05)
+                                      for t, v in zip(tau, u)]  # fmt: skip
             if loss == "tempnet":  # TempNet's gradient: that of sum_i tau_grad_i * tau_i
                 tempnet_terms.append((side, a.detach().float(), torch.tensor(tau_grad)))
             torch.testing.assert_close(out.tau[:N] if side == "image" else out.tau[N:],
@@ -119,6 +129,35 @@ def test_robust_losses_over_three_steps(loss):
             torch.testing.assert_close(out.state[:, i].double(), expected_state, rtol=1e-4,
                                        atol=1e-6)  # fmt: skip
         state, seen = out.state, torch.ones(N, dtype=torch.bool)
+    if loss == "isogclr":  # the clip and the bounds were exercised
+        assert clipped > 0
+        taus = torch.tensor(ref["tau_image"] + ref["tau_text"])
+        assert (taus == 0.005).any() or (taus == 0.05).any() or taus.std() > 1e-3
+
+
+def test_isogclr_with_beta_1_and_no_clip_is_the_plain_projected_step():
+    """beta 1, no clipping: ``clamp(tau - eta g, min, max)`` bit for bit, from the robust
+    loss's own tau-gradient."""
+    from megatron_tempnet.losses.contrastive import robust_contrastive_side
+
+    plain = dict(isogclr_tau_lr=0.02, isogclr_tau_beta=1.0, isogclr_grad_clip=0.0)
+    cfg = CLIPLossConfig(clip_loss="isogclr", tau_init=0.03, rho=2.0, gamma=0.7, **plain)
+    torch.manual_seed(0)
+    module = CLIPTrainModule(FakeTowers(3), cfg)
+    column = {f: i for i, f in enumerate(cfg.state_fields)}
+    state = torch.rand(N, len(cfg.state_fields)) * 0.04 + 0.006
+    state[:, column["u_image"]] = 100.0  # the old average has no weight
+    seen = torch.ones(N, dtype=torch.bool)
+    out = module(None, None, None, state, seen)
+    towers = module.clip
+    img, txt = (nn.functional.normalize(f.detach(), dim=1) for f in (towers.image, towers.text))
+    side = robust_contrastive_side(img @ txt.t(), torch.arange(N), state[:, column["tau_image"]],
+                                   state[:, column["s_image"]], state[:, column["b_image"]], seen,
+                                   gamma=0.7, rho=2.0)  # fmt: skip
+    tau = state[:, column["tau_image"]]
+    expected = (tau - 0.02 * side.tau_grad).clamp(0.005, 0.05)
+    assert torch.equal(out.state[:, column["tau_image"]], expected)
+    assert torch.equal(out.state[:, column["u_image"]], side.tau_grad)
 
 
 def _chain(raw: torch.Tensor, grad_normalised: torch.Tensor) -> torch.Tensor:

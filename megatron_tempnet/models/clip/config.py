@@ -156,16 +156,16 @@ class CLIPLossConfigError(UserError, ValueError):
 
 @dataclass
 class CLIPTempNetConfig(TempNetConfig):
-    """TempNet for CLIP, and the temperature range and rho of isogclr (the paper's Table 6)."""
+    """TempNet for CLIP (the paper's Table 6), and the rho of every robust loss."""
 
     tempnet_hidden_size: int = derived(256)
     """d1: the model's --embed-dim (the prototypes live in the embedding space)."""
     tempnet_proj_size: int = 256
     """d2: the prototypes, initialised from as many training pairs of the other modality."""
     tau_min: float = option(0.001, name="--tempnet-tau-min")
-    """tau0: the lower bound of TempNet's and isogclr's taus."""
+    """tau0: the lower bound of TempNet's taus."""
     tau_max: float = option(0.05, name="--tempnet-tau-max")
-    """The upper bound of TempNet's and isogclr's taus."""
+    """The upper bound of TempNet's taus."""
     rho: float = option(8.0, name="--tempnet-rho")
     """The KL-DRO radius (the paper's range for CLIP: 7-10); rho >= log(global batch - 1) drives
     every tau to --tempnet-tau-min."""
@@ -186,8 +186,18 @@ class CLIPLossConfig(CLIPTempNetConfig):
     tau (at sigmoid = 1)."""
     gamma: float = option(0.8, name="--sogclr-gamma")
     """Moving-average weight of the per-sample estimator s, in (0, 1]."""
-    isogclr_tau_lr: float = 0.01
-    """Step of isogclr's projected gradient update of each sample's tau."""
+    isogclr_tau_lr: float = 0.03
+    """iSogCLR's step eta: ``tau_i <- clamp(tau_i - eta u_i, --isogclr-tau-min,
+    --isogclr-tau-max)``."""
+    isogclr_tau_beta: float = 0.5
+    """iSogCLR's moving-average weight beta of the tau-gradient, in (0, 1]:
+    ``u_i <- (1 - beta) u_i + beta clip(g_i)`` (1 with no clipping: plain projected steps)."""
+    isogclr_grad_clip: float = 5.0
+    """Clip each sample's tau-gradient to [-c, c] before the moving average (0: no clipping)."""
+    isogclr_tau_min: float = 0.005
+    """The lower bound of iSogCLR's per-sample taus."""
+    isogclr_tau_max: float = 0.05
+    """The upper bound of iSogCLR's per-sample taus."""
 
     @property
     def uses_tempnet(self) -> bool:
@@ -199,7 +209,9 @@ class CLIPLossConfig(CLIPTempNetConfig):
         if self.clip_loss not in ROBUST:
             return ()
         fields = ("s_image", "b_image", "s_text", "b_text")
-        return fields + (("tau_image", "tau_text") if self.clip_loss == "isogclr" else ())
+        if self.clip_loss == "isogclr":  # each sample's tau and its gradient's moving average
+            fields += ("tau_image", "tau_text", "u_image", "u_text")
+        return fields
 
     def validate(self) -> None:
         """Raise ``CLIPLossConfigError`` naming the flags when the loss cannot train."""
@@ -212,13 +224,31 @@ class CLIPLossConfig(CLIPTempNetConfig):
             raise CLIPLossConfigError(problem)
         if self.tau_init <= 0:
             raise CLIPLossConfigError(f"--tau-init ({self.tau_init}) must be > 0")
-        in_range = self.tau_min <= self.tau_init <= self.tau_max
-        if self.clip_loss == "isogclr" and not in_range:
-            raise CLIPLossConfigError(
-                f"--tau-init ({self.tau_init}) must lie in [--tempnet-tau-min, "
-                f"--tempnet-tau-max] = [{self.tau_min}, {self.tau_max}] for --clip-loss isogclr"
-            )
+        if self.clip_loss == "isogclr":
+            self._validate_isogclr()
         if not 0 < self.gamma <= 1:
             raise CLIPLossConfigError(f"--sogclr-gamma ({self.gamma}) must be in (0, 1]")
         if self.rho_problem():
             raise CLIPLossConfigError(self.rho_problem())
+
+    def _validate_isogclr(self) -> None:
+        low, high = self.isogclr_tau_min, self.isogclr_tau_max
+        if not 0 < low <= high:
+            raise CLIPLossConfigError(
+                f"--isogclr-tau-min ({low}) and --isogclr-tau-max ({high}) must satisfy "
+                "0 < min <= max"
+            )
+        if not low <= self.tau_init <= high:
+            raise CLIPLossConfigError(
+                f"--tau-init ({self.tau_init}) must lie in [--isogclr-tau-min, "
+                f"--isogclr-tau-max] = [{low}, {high}] for --clip-loss isogclr"
+            )
+        if not 0 < self.isogclr_tau_beta <= 1:
+            raise CLIPLossConfigError(
+                f"--isogclr-tau-beta ({self.isogclr_tau_beta}) must be in (0, 1]"
+            )
+        if self.isogclr_grad_clip < 0 or self.isogclr_tau_lr < 0:
+            raise CLIPLossConfigError(
+                f"--isogclr-grad-clip ({self.isogclr_grad_clip}) and --isogclr-tau-lr "
+                f"({self.isogclr_tau_lr}) must be >= 0"
+            )

@@ -7,8 +7,10 @@
 - ``sogclr``: the global contrastive loss with a fixed tau (``--tau-init``) and the
   moving-average estimator ``s``;
 - ``isogclr``: the robust global contrastive loss with one tau per sample, kept in the
-  per-sample state and updated by projected gradient descent with the estimated
-  tau-gradient: ``tau_i <- clip(tau_i - --isogclr-tau-lr * grad_i, tau_min, tau_max)``;
+  per-sample state and updated as the iSogCLR method does: a moving average of the clipped
+  estimated tau-gradient, ``u_i <- (1 - beta) u_i + beta clip(g_i, -c, c)``, then a projected
+  step ``tau_i <- clamp(tau_i - eta u_i, --isogclr-tau-min, --isogclr-tau-max)`` (beta, c, eta:
+  ``--isogclr-tau-beta``, ``--isogclr-grad-clip``, ``--isogclr-tau-lr``; ``u`` starts at 0);
 - ``tempnet``: the same robust loss with tau predicted by an image TempNet and a text TempNet,
   learned through ``tau_grad * tau`` (their own learning rate);
 - ``tau``: TaU, InfoNCE with tau from a head on the non-detached embedding.
@@ -43,6 +45,23 @@ class CLIPOutput:
     """``[b, k]`` the anchors' new per-sample state (``CLIPLossConfig.state_fields``)."""
     uncertainty: torch.Tensor | None = None
     """``[2b]`` TaU's uncertainty score ``-a`` (``--clip-loss tau``)."""
+
+
+def isogclr_tau_update(
+    tau: torch.Tensor, tau_grad: torch.Tensor, u: torch.Tensor, cfg: CLIPLossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """iSogCLR's update of the anchors' taus ``[b]``: the new taus and gradient averages ``u``.
+
+    With ``--isogclr-tau-beta 1 --isogclr-grad-clip 0`` it is the plain projected step
+    ``clamp(tau - eta g)`` exactly (``0 u + 1 g`` is ``g`` in floating point).
+    """
+    g = tau_grad
+    if cfg.isogclr_grad_clip > 0:
+        g = g.clamp(-cfg.isogclr_grad_clip, cfg.isogclr_grad_clip)
+    beta = cfg.isogclr_tau_beta
+    u = (1 - beta) * u.to(g.dtype) + beta * g
+    step = tau - cfg.isogclr_tau_lr * u
+    return step.clamp(cfg.isogclr_tau_min, cfg.isogclr_tau_max), u
 
 
 class CLIPTrainModule(CLIPTemperature, nn.Module):
@@ -148,8 +167,8 @@ class CLIPTrainModule(CLIPTemperature, nn.Module):
             losses.append(loss)
             taus.append(tau.detach())
             new[f"s_{side}"], new[f"b_{side}"] = out.s, out.b
-            if cfg.clip_loss == "isogclr":  # projected gradient step on the sample's tau
-                step = tau - cfg.isogclr_tau_lr * out.tau_grad
-                new[f"tau_{side}"] = step.clamp(cfg.tau_min, cfg.tau_max)
+            if cfg.clip_loss == "isogclr":
+                u = state[:, column[f"u_{side}"]].where(seen, torch.tensor(0.0))
+                new[f"tau_{side}"], new[f"u_{side}"] = isogclr_tau_update(tau, out.tau_grad, u, cfg)
         state_rows = torch.stack([new[f].detach().float() for f in cfg.state_fields], dim=1)
         return CLIPOutput(torch.cat(losses), torch.cat(taus), state_rows)
