@@ -163,9 +163,9 @@ class CLIPTempNetConfig(TempNetConfig):
     tempnet_proj_size: int = 256
     """d2: the prototypes, initialised from as many training pairs of the other modality."""
     tau_min: float = option(0.001, name="--tempnet-tau-min")
-    """tau0: the lower bound of TempNet's taus."""
+    """tau0: TempNet's lowest tau."""
     tau_max: float = option(0.05, name="--tempnet-tau-max")
-    """The upper bound of TempNet's taus."""
+    """TempNet's highest tau."""
     rho: float = option(8.0, name="--tempnet-rho")
     """The KL-DRO radius (the paper's range for CLIP: 7-10); rho >= log(global batch - 1) drives
     every tau to --tempnet-tau-min."""
