@@ -130,6 +130,21 @@ def test_tp2_equals_tp1(digits, tmp_path, loss):
     _assert_same_curve(_curve(two / "metrics.jsonl"), _curve(one / "metrics.jsonl"), rtol=1e-4)
 
 
+@pytest.mark.parametrize("loss", ["isogclr", "tempnet"])
+def test_gradient_accumulation_at_dp1_equals_dp2(digits, tmp_path, loss):
+    """Global batch 16 as two contrastive batches of 8 (positions 0-7, then 8-15) whose
+    gradients are accumulated: one process with micro-batches of 8 equals DP = 2 with 4 each."""
+    one, two = tmp_path / "dp1", tmp_path / "dp2"
+    one.mkdir(), two.mkdir()
+    flags = {"clip-loss": loss, "global-batch-size": 16, "zero-stage": 1}
+    _pretrain(1, _args(digits, one, **{**flags, "micro-batch-size": 8}))
+    _pretrain(2, _args(digits, two, **{**flags, "micro-batch-size": 4}))
+    expected, got = _curve(one / "metrics.jsonl"), _curve(two / "metrics.jsonl")
+    _assert_same_curve(got, expected, rtol=1e-5)
+    assert [r["consumed_samples"] for r in expected] == [16 * i for i in range(1, 11)]
+    assert expected[-1]["loss"] < expected[0]["loss"]
+
+
 @pytest.mark.parametrize(("loss", "zero_stage"), [("tempnet", 0), ("tau", 1)])
 def test_bf16_tracks_float32(digits, tmp_path, loss, zero_stage):
     """--bf16 at DP = 2: the towers are bfloat16 and the temperature parts (TempNets, TaU's
@@ -203,7 +218,7 @@ def test_resume_is_exact_with_the_per_sample_state(digits, tmp_path, loss):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        ({"global-batch-size": 16}, "no gradient accumulation"),
+        ({"micro-batch-size": 1, "global-batch-size": 4}, "contrastive batch .* >= 2 pairs"),
         ({"pipeline-model-parallel-size": 2}, "tensor and data parallelism only"),
         ({"fp16": True}, "--fp16 needs a GPU"),
         ({"clip-loss": "isogclr", "tau-init": 0.2}, "--tau-init .0.2. must lie in"),

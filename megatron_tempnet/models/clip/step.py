@@ -1,9 +1,12 @@
 """One CLIP training iteration: per-sample state in, contrastive loss, state out, one step.
 
-The global batch is one micro-batch per data-parallel rank (the contrastive candidates are the
-global batch). The loss of an iteration is the mean over its ``2 B`` anchors (every image and
-every text): each rank's per-anchor sum is divided by ``2 B``, and DeepSpeed's average over the
-data-parallel ranks is undone by scaling with ``dp``, as in the GPT step.
+Each micro-batch, gathered over the data-parallel ranks, is one contrastive batch (its
+candidates); with ``--global-batch-size`` > micro-batch x DP the micro-batches' gradients are
+accumulated before the step, and the per-sample state is fetched and stored once per
+micro-batch. The loss of an iteration is the mean over all its ``2 B`` anchors (every image and
+every text of the global batch): each micro-batch's per-anchor sum is divided by ``2 B``, and
+DeepSpeed's average over the data-parallel ranks is undone by scaling with ``dp``, as in the GPT
+step.
 """
 
 from __future__ import annotations
@@ -33,6 +36,47 @@ def unpack_batch(batch: dict) -> tuple[torch.Tensor, ...]:
     return tuple(batch[k].to(device) for k in ("image", "tokens", "length", "index"))
 
 
+class ContrastiveStatistics:
+    """An iteration's loss and tau sums over its micro-batches, and the last one's taus."""
+
+    def __init__(self):
+        self.stats = Statistics(STATS, compute_device())
+        self.sample = torch.zeros(0)
+
+    def add(self, out: CLIPOutput) -> None:
+        """One micro-batch's ``2 n`` anchors (images first)."""
+        tau, n = out.tau.double(), out.tau.shape[0] // 2
+        self.stats.add(
+            anchors=2.0 * n,
+            loss=out.loss.detach().double().sum(),
+            tau_image=tau[:n].sum(),
+            tau_text=tau[n:].sum(),
+            tau_sq=(tau * tau).sum(),
+            tau_min=tau.min(),
+            tau_max=tau.max(),
+        )
+        self.sample = out.tau.float().cpu()
+
+    def reduce(self, *groups) -> StepStats:
+        """Reduced over ``groups`` (data parallel; then the pipeline, whose last stage alone
+        holds statistics)."""
+        totals = self.stats.reduce(*groups)
+        anchors = max(totals["anchors"], 1.0)
+        tau_mean, tau_std = mean_and_std(
+            totals["tau_image"] + totals["tau_text"], totals["tau_sq"], anchors
+        )
+        metrics = {
+            "loss": totals["loss"] / anchors,
+            "tau_mean": tau_mean,
+            "tau_image_mean": 2 * totals["tau_image"] / anchors,
+            "tau_text_mean": 2 * totals["tau_text"] / anchors,
+            "tau_std": tau_std,
+            "tau_min": totals["tau_min"],
+            "tau_max": totals["tau_max"],
+        }
+        return StepStats(metrics, count=anchors / 2, unit="samples", tau_sample=self.sample)
+
+
 def train_step(
     engine,
     batches: list[dict],
@@ -41,56 +85,26 @@ def train_step(
     max_grad_norm: float | None,
     sample_state: ShardedSampleState | None,
 ) -> tuple[StepStats, float | None]:
-    """Forward/backward of the global batch and one optimizer step; updates the state.
+    """Forward/backward of every micro-batch, then one optimizer step; updates the state.
 
     ``max_grad_norm``: clip here (0 = measure only), or None to leave it to DeepSpeed.
     """
-    (batch,) = batches  # validated: no gradient accumulation for contrastive losses
-    images, tokens, lengths, indices = unpack_batch(batch)
     dp = dist.get_world_size(group=dp_group)
-    state = seen = None
-    if sample_state is not None:
-        state, seen = sample_state.fetch(indices)
-    out = engine(images, tokens, lengths, state, seen)  # CLIPTrainModule.forward
-    anchors = 2 * images.shape[0] * dp
-    engine.backward(out.loss.sum() / anchors * dp, scale_wrt_gas=False)
-    grad_norm = None
-    if max_grad_norm is not None:
-        grad_norm = clip_grad_norm_(engine.module.parameters(), max_grad_norm)
-    engine.step()
+    anchors = 2 * dp * sum(int(b["index"].shape[0]) for b in batches)  # 2 B
+    stats, grad_norm = ContrastiveStatistics(), None
+    for batch in batches:
+        images, tokens, lengths, indices = unpack_batch(batch)
+        state = seen = None
+        if sample_state is not None:
+            state, seen = sample_state.fetch(indices)
+        out = engine(images, tokens, lengths, state, seen)  # CLIPTrainModule.forward
+        engine.backward(out.loss.sum() / anchors * dp, scale_wrt_gas=False)
+        if max_grad_norm is not None and engine.is_gradient_accumulation_boundary():
+            grad_norm = clip_grad_norm_(engine.module.parameters(), max_grad_norm)
+        engine.step()
+        if sample_state is not None:
+            sample_state.store(indices, out.state)
+        stats.add(out)
     if max_grad_norm is None:
         grad_norm = engine.get_global_grad_norm()
-    if sample_state is not None:
-        sample_state.store(indices, out.state)
-    stats = _reduce(out, images.shape[0], dp_group)
-    return stats, None if grad_norm is None else float(grad_norm)
-
-
-def _reduce(out: CLIPOutput, n: int, dp_group) -> StepStats:
-    """The global batch's loss and tau statistics from this rank's ``2 n`` anchors."""
-    tau = out.tau.double()
-    stats = Statistics(STATS, compute_device())
-    stats.add(
-        anchors=2.0 * n,
-        loss=out.loss.detach().double().sum(),
-        tau_image=tau[:n].sum(),
-        tau_text=tau[n:].sum(),
-        tau_sq=(tau * tau).sum(),
-        tau_min=tau.min(),
-        tau_max=tau.max(),
-    )
-    totals = stats.reduce(dp_group)
-    anchors = totals["anchors"]
-    tau_mean, tau_std = mean_and_std(
-        totals["tau_image"] + totals["tau_text"], totals["tau_sq"], anchors
-    )
-    metrics = {
-        "loss": totals["loss"] / anchors,
-        "tau_mean": tau_mean,
-        "tau_image_mean": 2 * totals["tau_image"] / anchors,
-        "tau_text_mean": 2 * totals["tau_text"] / anchors,
-        "tau_std": tau_std,
-        "tau_min": totals["tau_min"],
-        "tau_max": totals["tau_max"],
-    }
-    return StepStats(metrics, count=anchors / 2, unit="samples", tau_sample=out.tau.float().cpu())
+    return stats.reduce(dp_group), None if grad_norm is None else float(grad_norm)

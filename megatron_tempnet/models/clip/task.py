@@ -79,15 +79,12 @@ def validate_clip(config: CLIPRunConfig, world_size: int) -> None:
             "tensor and data parallelism only (use 1)"
         )
     validate_run(config, world_size)
-    if config.gradient_accumulation_steps(world_size) != 1:
-        dp = config.data_parallel_size(world_size)
+    contrastive = t.micro_batch_size * config.data_parallel_size(world_size)
+    if contrastive < 2:
         raise ConfigError(
-            f"--global-batch-size ({t.global_batch_size}) must equal --micro-batch-size "
-            f"({t.micro_batch_size}) x data-parallel size ({dp}): the contrastive candidates are "
-            "the global batch (no gradient accumulation)"
+            f"--micro-batch-size ({t.micro_batch_size}) x data-parallel size is the contrastive "
+            "batch (each micro-batch gathered over DP): it needs >= 2 pairs"
         )
-    if t.global_batch_size < 2:
-        raise ConfigError("a contrastive loss needs a global batch of >= 2 pairs")
     config.loss.validate()
     config.loss.resolve_optimizer(config.optimizer.lr, config.optimizer.weight_decay)
     config.model.validate(p.tensor_model_parallel_size)
