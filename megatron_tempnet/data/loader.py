@@ -9,6 +9,7 @@ run sees exactly the samples an uninterrupted run would have seen, on any layout
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -92,11 +93,20 @@ class DataState:
         return cls(int(state["consumed_samples"]), now)
 
 
+def _ignore_stop_signals(worker_id: int) -> None:
+    """A worker leaves SIGTERM/SIGUSR1 (SLURM's warning and preemption, sent to every process of
+    the job) to the training process, which stops at a checkpoint and takes its workers down."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class ResumableLoader:
     """A DataLoader over a ``PretrainingSampler`` that counts what it has handed out.
 
     ``state()`` is the position after the micro-batches returned so far, whatever the
-    DataLoader's workers have prefetched.
+    DataLoader's workers have prefetched: sample ``i`` is ``dataset[i]`` in any process (the
+    datasets draw their randomness from the index), so the batches and a resume are the same
+    with any ``num_workers``.
     """
 
     def __init__(
@@ -125,6 +135,7 @@ class ResumableLoader:
             num_workers=num_workers,
             pin_memory=False,
             persistent_workers=num_workers > 0,
+            worker_init_fn=_ignore_stop_signals if num_workers > 0 else None,
         )
         self._iter = iter(self._loader)
 

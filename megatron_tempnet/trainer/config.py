@@ -84,6 +84,10 @@ class TrainingConfig:
     """Train in float16 with loss scaling (GPU only)."""
     recompute_activations: bool = False
     """Recompute every layer's activations in the backward pass (less memory, more compute)."""
+    num_workers: int = 2
+    """Data-loader worker processes per rank reading (and for CLIP decoding and augmenting) the
+    training samples ahead of the step; 0 reads them in the training process. The batches are
+    the same either way."""
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -176,6 +180,8 @@ def validate_run(config: RunConfig, world_size: int) -> None:
         )
     if t.bf16 and t.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive")
+    if t.num_workers < 0:
+        raise ConfigError(f"--num-workers ({t.num_workers}) must be >= 0")
     if t.train_iters < 1:
         raise ConfigError(f"--train-iters ({t.train_iters}) must be >= 1")
     _validate_schedule(o, t)

@@ -62,6 +62,7 @@ def pretrain(config: RunConfig, task: Task) -> RunResult:
         t.micro_batch_size,
         parallel_state.get_data_parallel_rank(),
         parallel_state.get_data_parallel_world_size(),
+        num_workers=t.num_workers,
     )
     gas = config.gradient_accumulation_steps(world_size)
     run_log = RunLogger(config.logging)

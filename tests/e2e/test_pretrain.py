@@ -77,8 +77,10 @@ UNFUSED = {"attention-backend": "unfused", "no-bias-gelu-fusion": True,
 
 @pytest.fixture(scope="module")
 def reference_curve(corpus, tmp_path_factory):
+    """Read in the training process; every other run has the default two loader workers."""
     tmp = tmp_path_factory.mktemp("tp1")
-    _pretrain(1, _args(corpus, tmp, **UNFUSED, **{"metrics-file": tmp / "m.jsonl"}))
+    flags = {**UNFUSED, "num-workers": 0, "metrics-file": tmp / "m.jsonl"}
+    _pretrain(1, _args(corpus, tmp, **flags))
     return _curve(tmp / "m.jsonl")
 
 

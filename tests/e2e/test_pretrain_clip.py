@@ -80,7 +80,8 @@ def test_dp2_equals_dp1_and_training_moves(digits, tmp_path, loss):
     one, two = tmp_path / "dp1", tmp_path / "dp2"
     one.mkdir(), two.mkdir()
     ood = digits["test_5-9"] if loss in ("tau", "tempnet") else None
-    _pretrain(1, _args(digits, one, **{"clip-loss": loss, "ood-data": ood}))
+    # read in the training process at DP 1, by two loader workers per rank at DP 2
+    _pretrain(1, _args(digits, one, **{"clip-loss": loss, "ood-data": ood, "num-workers": 0}))
     _pretrain(2, _args(digits, two, **{"clip-loss": loss, "micro-batch-size": 4, "ood-data": ood}))
     expected, got = _curve(one / "metrics.jsonl"), _curve(two / "metrics.jsonl")
     _assert_same_curve(got, expected, rtol=1e-4)
@@ -133,11 +134,12 @@ def test_tp2_equals_tp1(digits, tmp_path, loss):
 @pytest.mark.parametrize("loss", ["isogclr", "tempnet"])
 def test_gradient_accumulation_at_dp1_equals_dp2(digits, tmp_path, loss):
     """Global batch 16 as two contrastive batches of 8 (positions 0-7, then 8-15) whose
-    gradients are accumulated: one process with micro-batches of 8 equals DP = 2 with 4 each."""
+    gradients are accumulated: one process with micro-batches of 8 equals DP = 2 with 4 each
+    (augmented images: decoded in the training process at DP 1, by loader workers at DP 2)."""
     one, two = tmp_path / "dp1", tmp_path / "dp2"
     one.mkdir(), two.mkdir()
-    flags = {"clip-loss": loss, "global-batch-size": 16, "zero-stage": 1}
-    _pretrain(1, _args(digits, one, **{**flags, "micro-batch-size": 8}))
+    flags = {"clip-loss": loss, "global-batch-size": 16, "zero-stage": 1, "image-augment": True}
+    _pretrain(1, _args(digits, one, **{**flags, "micro-batch-size": 8, "num-workers": 0}))
     _pretrain(2, _args(digits, two, **{**flags, "micro-batch-size": 4}))
     expected, got = _curve(one / "metrics.jsonl"), _curve(two / "metrics.jsonl")
     _assert_same_curve(got, expected, rtol=1e-5)

@@ -119,7 +119,7 @@ global-batch-size hidden-dropout hidden-size init-method-std keep-last load log-
 lr-decay-iters lr-warmup-fraction lr-warmup-iters make-vocab-size-divisible-by
 max-position-embeddings merge-file metrics-file micro-batch-size min-lr model no-bias-dropout-fusion
 no-bias-gelu-fusion no-bias-swiglu-fusion no-fused-output-stage no-load-optim no-tempnet-stop-grad
-norm-epsilon normalization num-attention-heads num-layers num-query-groups openai-gelu
+norm-epsilon num-workers normalization num-attention-heads num-layers num-query-groups openai-gelu
 output-stage-chunk-size pipeline-model-parallel-size position-embedding-type pretrained-checkpoint
 recompute-activations reset-attention-mask reset-position-ids rotary-base save save-interval seed
 seq-length split swiglu tau-source tempnet-hidden-size tempnet-lr tempnet-proj-size tempnet-rho
@@ -133,7 +133,8 @@ image-channels image-key image-mean image-size image-std init-method-std isogclr
 isogclr-tau-beta isogclr-tau-lr isogclr-tau-max isogclr-tau-min keep-last
 label-key load log-interval lr lr-decay-iters lr-warmup-fraction lr-warmup-iters
 make-vocab-size-divisible-by merge-file metrics-file micro-batch-size min-lr model
-no-bias-dropout-fusion no-bias-gelu-fusion no-bias-swiglu-fusion no-load-optim ood-data patch-size
+no-bias-dropout-fusion no-bias-gelu-fusion no-bias-swiglu-fusion no-load-optim num-workers
+ood-data patch-size
 pipeline-model-parallel-size pretrained-checkpoint recompute-activations save save-interval seed
 skip-bad-samples sogclr-gamma tau-init tempnet-lr tempnet-proj-size tempnet-rho tempnet-tau-max
 tempnet-tau-min tempnet-weight-decay tensor-model-parallel-size tensorboard-dir text-heads
