@@ -136,6 +136,9 @@ class ResumableLoader:
             pin_memory=False,
             persistent_workers=num_workers > 0,
             worker_init_fn=_ignore_stop_signals if num_workers > 0 else None,
+            # its own generator: the DataLoader draws a worker seed per iterator, which must
+            # not move the run's RNG (restored on resume before the loader exists)
+            generator=torch.Generator().manual_seed(0),
         )
         self._iter = iter(self._loader)
 

@@ -160,7 +160,7 @@ def build_engine(model: TrainModel, config: RunConfig, world_size: int):
     from deepspeed.runtime.config import DeepSpeedConfig
 
     optimizer = build_optimizer(model.param_groups, config.optimizer)
-    ds_config = deepspeed_config(config, world_size)
+    ds_config = {**deepspeed_config(config, world_size), **model.engine_config}
     module = model.module
     pipeline = isinstance(module, PipelineModule)
     forward_only = pipeline and getattr(module, "forward_only", False)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from megatron_tempnet import compat
+from megatron_tempnet.trainer.step import clip_grad_norm_, compute_device
 from megatron_tempnet.utils.logging import get_logger
 
 
@@ -94,3 +95,27 @@ def _detached(x):
     if isinstance(x, tuple):
         return tuple(t.detach() if torch.is_tensor(t) else t for t in x)
     return x.detach()
+
+
+class NormRecorder:
+    """Clips before every optimizer step (ZeRO 0, float32, where DeepSpeed's pipeline clipping
+    would count replicated parameters on the first stage only) and keeps the norm."""
+
+    def __init__(self, optimizer, max_norm: float):
+        self.max_norm, self.norm = max_norm, None
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        optimizer.register_step_pre_hook(self._hook)
+
+    def _hook(self, optimizer, args, kwargs):
+        self.norm = clip_grad_norm_(self._params, self.max_norm)
+
+
+def share_from_last_stage(sample: torch.Tensor, pp_group) -> torch.Tensor:
+    """The tau sample of the one stage that has it, on every stage of ``pp_group``."""
+    count = torch.tensor([sample.numel()], dtype=torch.float64, device=compute_device())
+    torch.distributed.all_reduce(count, group=pp_group)
+    buffer = torch.zeros(int(count.item()), dtype=torch.float64, device=compute_device())
+    if sample.numel():
+        buffer.copy_(sample.to(buffer))
+    torch.distributed.all_reduce(buffer, group=pp_group)
+    return buffer.float().cpu()

@@ -86,6 +86,8 @@ class TrainModel:
     tensor_layout: TensorLayout | None = None
     """How the split tensors are cut (``distributed.sharding``): checkpoints carry a layout-free
     copy and resume at any layout. None: only at the layout that saved them."""
+    engine_config: dict = field(default_factory=dict)
+    """DeepSpeed config entries the model needs, over the run's (``{"pipeline": {...}}``)."""
     weights_reader: Callable[[str], Any] | None = None
     """``reader(checkpoint_directory)``: the module files' full tensors under the layout-free
     names (``tensor_parallel``, ``pipeline``, ``names()``, ``in``, ``full(name)``,

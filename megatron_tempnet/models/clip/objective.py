@@ -64,33 +64,15 @@ def isogclr_tau_update(
     return step.clamp(cfg.isogclr_tau_min, cfg.isogclr_tau_max), u
 
 
-class CLIPTrainModule(CLIPTemperature, nn.Module):
-    """The towers and the temperature (the model's own parameters, ``CLIPTemperature``), as one
-    module for the DeepSpeed engine.
+class ContrastiveHead(CLIPTemperature):
+    """The loss from the towers' features, for a module that mixes it in (``CLIPTrainModule``,
+    the pipeline's last piece): the temperature (``CLIPTemperature``) and ``dp_group``, the
+    data-parallel group the candidates are gathered over."""
 
-    ``forward(images, tokens, lengths, state [b, k], seen [b])`` -> ``CLIPOutput``.
-    ``dp_group``: the data-parallel group the candidates are gathered over.
-    """
+    dp_group = None
 
-    def __init__(self, clip: nn.Module, loss: CLIPLossConfig, *, dp_group=None):
-        nn.Module.__init__(self)
-        self.clip, self.dp_group = clip, dp_group
-        self.init_temperature(loss, clip.config.embed_dim)
-
-    @torch.no_grad()
-    def init_prototypes(self, images, tokens, lengths) -> None:
-        """TempNet's prototypes from ``d2`` examples of the other modality."""
-        if self.tempnets is None:
-            return
-        text = self.clip.encode_text(tokens, lengths)
-        self.set_prototypes(self.clip.encode_image(images), text)
-
-    def forward(self, images, tokens, lengths, state=None, seen=None, encode: bool = False):
-        """The training objective (``CLIPOutput``), or with ``encode`` the evaluation outputs
-        (``encode``'s dict); either way through the engine, so ZeRO sees every pass."""
-        if encode:
-            return self.encode(images, tokens, lengths)
-        image_f, text_f = self.clip(images, tokens, lengths)
+    def contrastive(self, image_f, text_f, state=None, seen=None) -> CLIPOutput:
+        """``[b, d]`` features (not normalised) of this rank's pairs -> ``CLIPOutput``."""
         image = nn.functional.normalize(image_f.float(), dim=-1)  # [b, d]
         text = nn.functional.normalize(text_f.float(), dim=-1)
         image_all = gather_with_grad(image, self.dp_group)  # [B, d]
@@ -103,21 +85,14 @@ class CLIPTrainModule(CLIPTemperature, nn.Module):
         return self._info_nce(sims, embeddings, positive)
 
     @torch.no_grad()
-    def encode(self, images=None, tokens=None, lengths=None) -> dict:
-        """Normalised embeddings ``[n, d]`` of the given images and/or texts, with the
-        temperature each would get (``{side}_tau [n]``, where the loss predicts one from the
-        input: clip, tau, tempnet) and TaU's uncertainty score (``{side}_score``)."""
+    def encoded(self, features: dict[str, torch.Tensor]) -> dict:
+        """``{side: [n, d] features}`` (either or both sides) -> the normalised embeddings, with
+        the temperature each would get (``{side}_tau [n]``, where the loss predicts one from
+        the input: clip, tau, tempnet) and TaU's uncertainty score (``{side}_score``)."""
         out = {}
         learned = self.loss_config.clip_loss in ("clip", "tau", "tempnet")
-        for side, args in {"image": (images,), "text": (tokens, lengths)}.items():
-            if args[0] is None:
-                continue
-            features = (
-                self.clip.image_features(*args)
-                if side == "image"
-                else self.clip.text_features(*args)
-            )
-            e = nn.functional.normalize(features.float(), dim=-1)
+        for side, f in features.items():
+            e = nn.functional.normalize(f.float(), dim=-1)
             out[side] = e
             if learned:
                 out[f"{side}_tau"], score = self.temperature(side, e)
@@ -172,3 +147,43 @@ class CLIPTrainModule(CLIPTemperature, nn.Module):
                 new[f"tau_{side}"], new[f"u_{side}"] = isogclr_tau_update(tau, out.tau_grad, u, cfg)
         state_rows = torch.stack([new[f].detach().float() for f in cfg.state_fields], dim=1)
         return CLIPOutput(torch.cat(losses), torch.cat(taus), state_rows)
+
+
+class CLIPTrainModule(ContrastiveHead, nn.Module):
+    """The towers and the temperature (the model's own parameters, ``CLIPTemperature``), as one
+    module for the DeepSpeed engine.
+
+    ``forward(images, tokens, lengths, state [b, k], seen [b])`` -> ``CLIPOutput``.
+    ``dp_group``: the data-parallel group the candidates are gathered over.
+    """
+
+    def __init__(self, clip: nn.Module, loss: CLIPLossConfig, *, dp_group=None):
+        nn.Module.__init__(self)
+        self.clip, self.dp_group = clip, dp_group
+        self.init_temperature(loss, clip.config.embed_dim)
+
+    @torch.no_grad()
+    def init_prototypes(self, images, tokens, lengths) -> None:
+        """TempNet's prototypes from ``d2`` examples of the other modality."""
+        if self.tempnets is None:
+            return
+        text = self.clip.encode_text(tokens, lengths)
+        self.set_prototypes(self.clip.encode_image(images), text)
+
+    def forward(self, images, tokens, lengths, state=None, seen=None, encode: bool = False):
+        """The training objective (``CLIPOutput``), or with ``encode`` the evaluation outputs
+        (``encode``'s dict); either way through the engine, so ZeRO sees every pass."""
+        if encode:
+            return self.encode(images, tokens, lengths)
+        image_f, text_f = self.clip(images, tokens, lengths)
+        return self.contrastive(image_f, text_f, state, seen)
+
+    @torch.no_grad()
+    def encode(self, images=None, tokens=None, lengths=None) -> dict:
+        """``ContrastiveHead.encoded`` of the given images and/or texts."""
+        features = {}
+        if images is not None:
+            features["image"] = self.clip.image_features(images)
+        if tokens is not None:
+            features["text"] = self.clip.text_features(tokens, lengths)
+        return self.encoded(features)

@@ -1,10 +1,11 @@
 """CLIP pretraining as a trainer task: image-text data, the towers, the contrastive losses.
 
 The trainer (``trainer.loop``) is GPT's: engine, checkpoints, resume, logging, preemption. This
-task brings the data (``ImageTextDataset`` in shuffled epochs), ``CLIPTrainModule``, the step
-with the sharded per-sample state (saved with each rank's checkpoint files) and the zero-shot
-evaluation. The contrastive candidates are the global batch, so there is no gradient
-accumulation and no pipeline parallelism.
+task brings the data (``ImageTextDataset`` in shuffled epochs), ``CLIPTrainModule`` (or with
+pipeline parallelism this rank's stage, ``pipeline``), the step with the sharded per-sample state
+(saved with each rank's checkpoint files) and the zero-shot evaluation. Each micro-batch,
+gathered over the data-parallel ranks, is one contrastive batch; the micro-batches of an
+iteration accumulate their gradients.
 """
 
 from __future__ import annotations
@@ -72,11 +73,12 @@ class CLIPRunConfig(RunConfig):
 
 
 def validate_clip(config: CLIPRunConfig, world_size: int) -> None:
-    p, t = config.parallel, config.training
-    if p.pipeline_model_parallel_size != 1:
+    p, t, m = config.parallel, config.training, config.model
+    layers = m.vision_layers + m.text_layers
+    if p.pipeline_model_parallel_size > layers:
         raise ConfigError(
-            f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}: CLIP runs with "
-            "tensor and data parallelism only (use 1)"
+            f"--pipeline-model-parallel-size ({p.pipeline_model_parallel_size}) must be at most "
+            f"the towers' layers (--vision-layers + --text-layers = {layers})"
         )
     validate_run(config, world_size)
     contrastive = t.micro_batch_size * config.data_parallel_size(world_size)
@@ -157,7 +159,8 @@ class CLIPTask:
         )
         rank_state = None
         fields = config.loss.state_fields
-        if fields:  # sharded over the data-parallel ranks, keyed by the pair's index
+        if fields and parallel_state.is_pipeline_last_stage():
+            # sharded over the (last stage's) data-parallel ranks, keyed by the pair's index
             rank_state = PerSampleState(
                 ShardedSampleState(
                     len(pairs),
@@ -176,6 +179,8 @@ class CLIPTask:
         )
 
     def build_model(self, config: CLIPRunConfig, data: CLIPData) -> TrainModel:
+        if config.parallel.pipeline_model_parallel_size > 1:
+            return self._pipeline_stage(config, data)
         from megatron.core import parallel_state
 
         t = config.training
@@ -201,9 +206,55 @@ class CLIPTask:
         layout = TensorLayout(m.vocab_size, m.padded_vocab_size(tp))
         return TrainModel(module, _param_groups(module, config), tensor_layout=layout)
 
+    def _pipeline_stage(self, config: CLIPRunConfig, data: CLIPData) -> TrainModel:
+        from megatron.core import parallel_state
+
+        from megatron_tempnet.models.clip import pipeline
+
+        t, p, m = config.training, config.parallel, config.model
+        module = pipeline.build_pipeline(
+            m,
+            config.loss,
+            tensor_parallel=p.tensor_model_parallel_size,
+            pipeline_parallel=p.pipeline_model_parallel_size,
+            dtype=t.params_dtype,
+            recompute=t.recompute_activations,
+            seed=t.seed,
+            dp_group=parallel_state.get_data_parallel_group(),
+            sample_state=None if data.rank_state is None else data.rank_state.state,
+        )
+        if config.loss.uses_tempnet:
+            batch = _prototype_pairs(data.pairs, config.loss.tempnet_proj_size, t.seed)
+            pipeline.init_prototypes(
+                module, batch, parallel_state.get_pipeline_model_parallel_group()
+            )
+            log_rank0("TempNet prototypes initialised from %d training pairs (the other "
+                      "modality)", config.loss.tempnet_proj_size)  # fmt: skip
+        layout = TensorLayout(m.vocab_size, m.padded_vocab_size(p.tensor_model_parallel_size))
+        return TrainModel(
+            module,
+            _param_groups(module, config),
+            tensor_layout=layout,
+            # the two towers' streams travel whole between stages (DeepSpeed would cut the
+            # first over TP and require the others to carry no gradient)
+            engine_config={"pipeline": {"pipe_partitioned": False, "grad_partitioned": False}},
+        )
+
     def build_step(self, engine, optimizer, config: CLIPRunConfig, data: CLIPData):
         from megatron.core import parallel_state
 
+        if config.parallel.pipeline_model_parallel_size > 1:
+            from megatron_tempnet.models.clip.pipeline import pipeline_train_step
+            from megatron_tempnet.trainer.pipeline import NormRecorder
+
+            max_norm = step_max_grad_norm(config)
+            return partial(
+                pipeline_train_step,
+                engine,
+                dp_group=parallel_state.get_data_parallel_group(),
+                pp_group=parallel_state.get_pipeline_model_parallel_group(),
+                norm=None if max_norm is None else NormRecorder(optimizer, max_norm),
+            )
         sample_state = None if data.rank_state is None else data.rank_state.state
         return partial(
             train_step,
@@ -217,6 +268,10 @@ class CLIPTask:
         from megatron.core import parallel_state
 
         e = config.evaluation
+        if config.parallel.pipeline_model_parallel_size > 1:
+            from megatron_tempnet.models.clip.pipeline import PipelineEncoder
+
+            engine = PipelineEncoder(engine, parallel_state.get_pipeline_model_parallel_group())
 
         def encode_texts(texts: list[str]) -> torch.Tensor:
             tokens, lengths = tokenize_captions(data.tokenizer, texts, config.model.context_length)
@@ -252,20 +307,36 @@ def _param_groups(module: CLIPTrainModule, config: CLIPRunConfig) -> list[ParamG
     t = config.loss
     tempnets = [m for m in module.modules() if isinstance(m, TempNetCLIP)]
     tempnet_params = [p for m in tempnets for p in m.parameters()]
+    if t.uses_tempnet and not tempnet_params:  # a pipeline stage before the last
+        tempnet_params = [module.group_placeholder("tempnet")]
     own = {"tempnet": (tempnet_params, t.tempnet_lr, t.tempnet_weight_decay)}
+    if config.parallel.pipeline_model_parallel_size > 1 and t.clip_loss in ("clip", "tau"):
+        # every stage needs every group: the temperature (last stage) has its own
+        o, found = config.optimizer, [p for n, p in module.named_parameters() if _temperature(n)]
+        own["temperature"] = (found or [module.group_placeholder("temperature")], o.lr, 0.0)
     return model_and_own_groups(module, config.optimizer, "model", own)
 
 
-def _init_prototypes(module: CLIPTrainModule, pairs: ImageTextDataset, count: int, seed: int):
-    """From ``count`` pairs drawn with ``seed`` (the same on every rank); a resumed run then
-    loads the trained prototypes over them."""
+def _temperature(name: str) -> bool:
+    """CLIP's global tau and TaU's heads (a pipeline stage's names)."""
+    return name.split(".")[1:2] in (["log_tau"], ["tau_heads"])
+
+
+def _prototype_pairs(pairs: ImageTextDataset, count: int, seed: int) -> dict:
+    """``count`` pairs drawn with ``seed`` (the same on every rank), as one batch."""
     if len(pairs) < count:
         raise ConfigError(
             f"TempNet's {count} prototypes are initialised from as many training pairs, but "
             f"--train-data has {len(pairs)}: lower --tempnet-proj-size"
         )
     chosen = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed))[:count]
-    batch = torch.utils.data.default_collate([pairs[int(i)] for i in chosen])
+    return torch.utils.data.default_collate([pairs[int(i)] for i in chosen])
+
+
+def _init_prototypes(module: CLIPTrainModule, pairs: ImageTextDataset, count: int, seed: int):
+    """From ``count`` pairs drawn with ``seed``; a resumed run then loads the trained prototypes
+    over them."""
+    batch = _prototype_pairs(pairs, count, seed)
     module.eval()
     module.init_prototypes(batch["image"], batch["tokens"], batch["length"])
     module.train()

@@ -81,6 +81,64 @@ class Projection(nn.Module):
         return x @ self.weight.t()
 
 
+def image_pooled(norm: nn.Module, projection: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The ViT's last hidden states ``[s, b, h]`` -> ``[b, d]``: the class token, normalised and
+    projected."""
+    return projection(norm(x)[0])
+
+
+def text_pooled(
+    norm: nn.Module, projection: nn.Module, x: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """The text tower's last hidden states ``[L, b, h]`` -> ``[b, d]`` at each caption's
+    end-of-text token (position ``length - 1``), normalised and projected."""
+    eot = (lengths.long() - 1).clamp(0, x.shape[0] - 1)  # [b]
+    return projection(norm(x)[eot, torch.arange(x.shape[1], device=x.device)])
+
+
+def piece_builders(
+    model: CLIPModelConfig,
+    *,
+    tensor_parallel_size: int,
+    params_dtype: torch.dtype,
+    recompute: bool,
+) -> list[tuple[str, object]]:
+    """``(name, build)`` of every piece in the order (and so with the seed ``seed + index``)
+    both the one-process model and the pipeline stages build them."""
+    model.validate(tensor_parallel_size)
+    vision, text = model.vision_tower(), model.text_tower()
+    kw = dict(tensor_parallel_size=tensor_parallel_size, params_dtype=params_dtype)
+    vconfig, tconfig = transformer_config(vision, **kw), transformer_config(text, **kw)
+    vspec = layer_spec("LayerNorm", model.attention_backend, causal=False)
+    tspec = layer_spec("LayerNorm", model.attention_backend)
+    padded_vocab = model.padded_vocab_size(tensor_parallel_size)
+
+    def layers(prefix: str, count: int, config, spec) -> list:
+        def build(i: int):
+            return lambda: TransformerPiece(config, spec, i + 1, None, recompute)
+
+        return [(f"{prefix}_layer{i}", build(i)) for i in range(count)]
+
+    return [
+        ("vision_embedding", lambda: VisionEmbedding(model, vconfig)),
+        *layers("vision", model.vision_layers, vconfig, vspec),
+        ("vision_norm", lambda: FinalNorm(vconfig, vspec)),
+        ("vision_projection", lambda: Projection(vision.hidden_size, model.embed_dim)),
+        ("text_embedding", lambda: TextEmbedding(model, tconfig, padded_vocab)),
+        *layers("text", model.text_layers, tconfig, tspec),
+        ("text_norm", lambda: FinalNorm(tconfig, tspec)),
+        ("text_projection", lambda: Projection(text.hidden_size, model.embed_dim)),
+    ]
+
+
+def build_piece(builders: list, name: str, seed: int, dtype: torch.dtype) -> nn.Module:
+    """Piece ``name`` with the weights the one-process model gives it (``seed + its index``);
+    in ``dtype`` (the embeddings and projections megatron-core does not build)."""
+    index = [n for n, _ in builders].index(name)
+    seed_rngs(seed + index)
+    return dict(builders)[name]().to(dtype)
+
+
 class CLIPModel(nn.Module):
     """The two towers; ``encode_image``/``encode_text`` return normalised ``[b, d]`` embeddings.
 
@@ -99,54 +157,34 @@ class CLIPModel(nn.Module):
         seed: int = 1234,
     ):
         super().__init__()
-        model.validate(tensor_parallel_size)
         self.config = model
-        vision, text = model.vision_tower(), model.text_tower()
-        kw = dict(tensor_parallel_size=tensor_parallel_size, params_dtype=params_dtype)
-        vconfig, tconfig = transformer_config(vision, **kw), transformer_config(text, **kw)
-        vspec = layer_spec("LayerNorm", model.attention_backend, causal=False)
-        tspec = layer_spec("LayerNorm", model.attention_backend)
-        padded_vocab = model.padded_vocab_size(tensor_parallel_size)
-
-        def layers(prefix: str, count: int, config, spec) -> list:
-            def build(i: int):
-                return lambda: TransformerPiece(config, spec, i + 1, None, recompute)
-
-            return [(f"{prefix}_layer{i}", build(i)) for i in range(count)]
-
-        builders = [
-            ("vision_embedding", lambda: VisionEmbedding(model, vconfig)),
-            *layers("vision", model.vision_layers, vconfig, vspec),
-            ("vision_norm", lambda: FinalNorm(vconfig, vspec)),
-            ("vision_projection", lambda: Projection(vision.hidden_size, model.embed_dim)),
-            ("text_embedding", lambda: TextEmbedding(model, tconfig, padded_vocab)),
-            *layers("text", model.text_layers, tconfig, tspec),
-            ("text_norm", lambda: FinalNorm(tconfig, tspec)),
-            ("text_projection", lambda: Projection(text.hidden_size, model.embed_dim)),
-        ]
-        self.pieces = nn.ModuleDict()
-        for index, (name, build) in enumerate(builders):
-            seed_rngs(seed + index)
-            self.pieces[name] = build()
-        self.to(params_dtype)  # the embeddings and projections megatron-core does not build
+        builders = piece_builders(
+            model,
+            tensor_parallel_size=tensor_parallel_size,
+            params_dtype=params_dtype,
+            recompute=recompute,
+        )
+        self.pieces = nn.ModuleDict(
+            {name: build_piece(builders, name, seed, params_dtype) for name, _ in builders}
+        )
         self.num_pieces = len(builders)
 
-    def _run(self, prefix: str, x: torch.Tensor, layers: int) -> torch.Tensor:
+    def _layers(self, prefix: str, x: torch.Tensor, layers: int) -> torch.Tensor:
         for i in range(layers):
             x = self.pieces[f"{prefix}_layer{i}"](x)
-        return self.pieces[f"{prefix}_norm"](x)
+        return x
 
     def image_features(self, images: torch.Tensor) -> torch.Tensor:
         """``[b, C, S, S]`` -> ``[b, d]`` (not normalised): the class token, projected."""
-        x = self._run("vision", self.pieces["vision_embedding"](images), self.config.vision_layers)
-        return self.pieces["vision_projection"](x[0])
+        p = self.pieces
+        x = self._layers("vision", p["vision_embedding"](images), self.config.vision_layers)
+        return image_pooled(p["vision_norm"], p["vision_projection"], x)
 
     def text_features(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """``[b, L]`` tokens, ``[b]`` lengths -> ``[b, d]`` at each end-of-text token."""
-        x = self._run("text", self.pieces["text_embedding"](tokens), self.config.text_layers)
-        eot = (lengths.long() - 1).clamp(0, tokens.shape[1] - 1)  # [b]
-        pooled = x[eot, torch.arange(tokens.shape[0], device=x.device)]  # [b, h]
-        return self.pieces["text_projection"](pooled)
+        p = self.pieces
+        x = self._layers("text", p["text_embedding"](tokens), self.config.text_layers)
+        return text_pooled(p["text_norm"], p["text_projection"], x, lengths)
 
     def forward(self, images, tokens, lengths) -> tuple[torch.Tensor, torch.Tensor]:
         return self.image_features(images), self.text_features(tokens, lengths)

@@ -33,9 +33,9 @@ from megatron_tempnet.models.gpt.step import (
 )
 from megatron_tempnet.models.transformer import seed_rngs
 from megatron_tempnet.tempnet import TempNetLM
-from megatron_tempnet.trainer.pipeline import Pipeline
+from megatron_tempnet.trainer.pipeline import NormRecorder, Pipeline, share_from_last_stage
 from megatron_tempnet.trainer.stats import Statistics, StepStats
-from megatron_tempnet.trainer.step import clip_grad_norm_, compute_device
+from megatron_tempnet.trainer.step import compute_device
 
 
 class TempNetPiece(nn.Module):
@@ -153,19 +153,6 @@ def build_pipeline(
     return module
 
 
-class NormRecorder:
-    """Clips before every optimizer step (ZeRO 0, float32, where DeepSpeed's pipeline clipping
-    would count replicated parameters on the first stage only) and keeps the norm."""
-
-    def __init__(self, optimizer, max_norm: float):
-        self.max_norm, self.norm = max_norm, None
-        self._params = [p for g in optimizer.param_groups for p in g["params"]]
-        optimizer.register_step_pre_hook(self._hook)
-
-    def _hook(self, optimizer, args, kwargs):
-        self.norm = clip_grad_norm_(self._params, self.max_norm)
-
-
 def _micro_batches(unpacked: list[tuple]):
     return iter([((tokens, pos), (labels, mask)) for tokens, labels, mask, pos in unpacked])
 
@@ -180,20 +167,9 @@ def pipeline_train_step(
     objective.start_step(global_token_count(unpacked, dp_group), dp * len(batches))
     engine.train_batch(_micro_batches(unpacked))
     stats = objective.train_stats.reduce(dp_group, pp_group)
-    stats.tau_sample = _share_sample(objective.train_stats.sample, pp_group)
+    stats.tau_sample = share_from_last_stage(objective.train_stats.sample, pp_group)
     grad_norm = norm.norm if norm is not None else engine.get_global_grad_norm()
     return stats, None if grad_norm is None else float(grad_norm)
-
-
-def _share_sample(sample: torch.Tensor, pp_group) -> torch.Tensor:
-    """The tau sample of the one stage that has it, on every stage of ``pp_group``."""
-    count = torch.tensor([sample.numel()], dtype=torch.float64, device=compute_device())
-    torch.distributed.all_reduce(count, group=pp_group)
-    buffer = torch.zeros(int(count.item()), dtype=torch.float64, device=compute_device())
-    if sample.numel():
-        buffer.copy_(sample.to(buffer))
-    torch.distributed.all_reduce(buffer, group=pp_group)
-    return buffer.float().cpu()
 
 
 @torch.no_grad()
