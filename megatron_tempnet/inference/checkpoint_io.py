@@ -239,10 +239,13 @@ def write_checkpoint(
 
     run_config = dict(config or {}, model=model.__dict__.copy())
     if pp == 1:
-        for rank in range(tp):
-            module = {"lm." + k: v for k, v in sharded(rank, names).items()}
-            _save(_mp_state(module, tp, run_config), out, f"mp_rank_{rank:02d}_model_states.pt")
-            del module  # one rank's share in memory at a time
+        return write_module_checkpoint(
+            save_dir,
+            lambda rank: {"lm." + k: v for k, v in sharded(rank, names).items()},
+            tensor_parallel=tp,
+            config=run_config,
+            note=note,
+        )
     else:
         for index in range(model.num_layers + 3 + model.untie_embeddings_and_output_weights):
             keys = [n for n in names if n.startswith(f"pieces.{index}.")]
@@ -251,6 +254,31 @@ def write_checkpoint(
                 _save(piece, out, f"layer_{index:02d}-model_{rank:02d}-model_states.pt")
         for rank in range(tp * pp):
             _save(_mp_state(None, tp * pp, run_config), out, f"mp_rank_{rank:02d}_model_states.pt")
+    with open(os.path.join(out, WEIGHTS_ONLY), "w") as f:
+        f.write(note or "Weights only: no optimizer, RNG or data position.\n")
+    publish_latest(save_dir, tag)
+    return out
+
+
+def write_module_checkpoint(
+    save_dir: str,
+    module_of_rank: Callable[[int], dict],
+    *,
+    tensor_parallel: int,
+    config: dict,
+    note: str = "",
+) -> str:
+    """A weights-only checkpoint of a one-process model (PP = 1): ``module_of_rank(r)`` is TP
+    rank ``r``'s state dict, written one rank at a time; ``latest`` last. Returns its directory."""
+    tag = tag_for(0)
+    out = os.path.join(save_dir, tag)
+    os.makedirs(out, exist_ok=True)
+    for rank in range(tensor_parallel):
+        module = module_of_rank(rank)
+        _save(
+            _mp_state(module, tensor_parallel, config), out, f"mp_rank_{rank:02d}_model_states.pt"
+        )
+        del module  # one rank's share in memory at a time
     with open(os.path.join(out, WEIGHTS_ONLY), "w") as f:
         f.write(note or "Weights only: no optimizer, RNG or data position.\n")
     publish_latest(save_dir, tag)

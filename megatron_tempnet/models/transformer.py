@@ -22,7 +22,7 @@ from torch import nn
 
 from megatron_tempnet.models.attention import ATTENTION_BACKENDS
 from megatron_tempnet.utils.cli import UserError
-from megatron_tempnet.utils.flags import option
+from megatron_tempnet.utils.flags import derived, option
 from megatron_tempnet.utils.logging import warn_rank0
 
 
@@ -68,6 +68,8 @@ class TransformerShape(TransformerImpl):
     """SwiGLU MLP (LLaMA) instead of GELU."""
     openai_gelu: bool = False
     """GELU's tanh approximation (GPT-2 as released, Hugging Face's gelu_new)."""
+    quick_gelu: bool = derived(False)
+    """``x sigmoid(1.702 x)`` (OpenAI CLIP's QuickGELU; CLIP's --quick-gelu)."""
     add_bias_linear: bool = option(True, name="--disable-bias-linear")
     """The flag removes the biases of every linear layer (LLaMA); GPT-2 has them."""
     norm_epsilon: float = 1e-5
@@ -220,9 +222,16 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(x, approximate="tanh")
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """OpenAI CLIP's GELU approximation, ``x sigmoid(1.702 x)``."""
+    return x * torch.sigmoid(1.702 * x)
+
+
 def _activation(shape: TransformerShape):
     if shape.swiglu:
         return torch.nn.functional.silu
+    if shape.quick_gelu:
+        return quick_gelu
     return gelu_tanh if shape.openai_gelu else torch.nn.functional.gelu
 
 

@@ -8,12 +8,13 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 import torch
 
 from megatron_tempnet.models.clip.data.digits import write_digits_dataset
-from tests.helpers.entry_points import cli_flags, run_entry_point
+from tests.helpers.entry_points import cli_flags, run_command, run_entry_point
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOSSES = ("clip", "sogclr", "isogclr", "tempnet", "tau")
@@ -396,3 +397,50 @@ def test_resume_at_another_data_parallel_size_rekeys_the_state(
     # and 5e-6 (b) here; a sample's row in the wrong place would differ by O(1). The re-keying
     # itself is exact (tests/distributed/test_sample_state.py)
     torch.testing.assert_close(second["values"], first["values"], rtol=1e-4, atol=1e-5)
+
+
+def test_pretrained_towers_from_a_hugging_face_clip_at_tp2(digits, tmp_path):
+    """convert_clip_to_megatron.py --target-tp 2, then pretrain_clip.py --pretrained-checkpoint at
+    TP 2 with the printed flags: the run starts from exactly the converted towers (lr 0), TempNet
+    from its initialisation."""
+    from transformers import CLIPConfig, CLIPModel
+
+    tower = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 hidden_act="quick_gelu")  # fmt: skip
+    config = CLIPConfig(
+        text_config=dict(
+            tower,
+            vocab_size=64,
+            max_position_embeddings=16,
+            eos_token_id=2,
+            bos_token_id=0,
+            pad_token_id=1,
+        ),  # fmt: skip
+        vision_config=dict(tower, image_size=16, patch_size=4, num_channels=1),
+        projection_dim=32,
+    )
+    torch.manual_seed(0)
+    CLIPModel(config).save_pretrained(tmp_path / "hf")
+    converted = tmp_path / "converted"
+    tool = os.path.join(REPO, "tools", "checkpoint", "convert_clip_to_megatron.py")
+    r = run_command([sys.executable, tool,
+                     "--hf-dir", str(tmp_path / "hf"), "--target-tp", "2", "--save", str(converted),
+                     "--make-vocab-size-divisible-by", "64"])  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    flags = (converted / "model_flags.txt").read_text().split()
+    assert "--quick-gelu" in flags and flags[flags.index("--vision-heads") + 1] == "4"
+    args = _args(digits, tmp_path, **{"clip-loss": "tempnet", "tensor-model-parallel-size": 2,
+                 "make-vocab-size-divisible-by": 64, "pretrained-checkpoint": converted,
+                 "train-iters": 1, "lr": 0.0, "tempnet-lr": 0.0, "save": tmp_path / "run",
+                 "load": tmp_path / "run",
+                 "valid-data": None}) + flags  # fmt: skip
+    r = _pretrain(2, args)
+    assert "TempNet starts from its initialisation" in r.stdout + r.stderr
+    for rank in (0, 1):
+        name = f"mp_rank_{rank:02d}_model_states.pt"
+        before = torch.load(converted / "iter_0000000" / name, weights_only=False)["module"]
+        after = torch.load(tmp_path / "run" / "iter_0000001" / name, weights_only=False)["module"]
+        towers = [k for k in after if k.startswith("clip.") and torch.is_tensor(after[k])]
+        assert len(towers) > 40 and all(k in before for k in towers)
+        for key in towers:
+            assert torch.equal(after[key], before[key]), key

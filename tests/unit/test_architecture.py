@@ -134,8 +134,8 @@ isogclr-tau-beta isogclr-tau-lr isogclr-tau-max isogclr-tau-min keep-last
 label-key load log-interval lr lr-decay-iters lr-warmup-fraction lr-warmup-iters
 make-vocab-size-divisible-by merge-file metrics-file micro-batch-size min-lr model
 no-bias-dropout-fusion no-bias-gelu-fusion no-bias-swiglu-fusion no-load-optim num-workers
-ood-data patch-size
-pipeline-model-parallel-size pretrained-checkpoint recompute-activations save save-interval seed
+ood-data patch-size pipeline-model-parallel-size pretrained-checkpoint quick-gelu
+recompute-activations save save-interval seed
 skip-bad-samples sogclr-gamma tau-init tempnet-lr tempnet-proj-size tempnet-rho tempnet-tau-max
 tempnet-tau-min tempnet-weight-decay tensor-model-parallel-size tensorboard-dir text-heads
 text-hidden-size text-layers tokenizer-model tokenizer-type train-data train-iters valid-data

@@ -44,6 +44,7 @@ CLIP_PRESETS: dict[str, dict] = {
         text_hidden_size=512,
         text_heads=8,
         context_length=77,
+        quick_gelu=True,
     ),
 }
 """``--model``: both towers' shapes by name; every other model flag overrides its preset's."""
@@ -79,6 +80,9 @@ class CLIPModelConfig(TransformerImpl):
     """The true vocabulary size (from the tokenizer)."""
     init_method_std: float = 0.02
     """Standard deviation of the initial weights."""
+    quick_gelu: bool = False
+    """Both towers' MLPs use QuickGELU, x sigmoid(1.702 x) (OpenAI's CLIP models; OpenCLIP's
+    -quickgelu models), instead of the exact GELU."""
     make_vocab_size_divisible_by: int = 128
     """Pad the text vocabulary to a multiple of this x the tensor-parallel size."""
 
@@ -97,6 +101,7 @@ class CLIPModelConfig(TransformerImpl):
             hidden_size=self.vision_hidden_size,
             num_attention_heads=self.vision_heads,
             init_method_std=self.init_method_std,
+            quick_gelu=self.quick_gelu,
             **self.impl(),
         )
 
@@ -106,6 +111,7 @@ class CLIPModelConfig(TransformerImpl):
             hidden_size=self.text_hidden_size,
             num_attention_heads=self.text_heads,
             init_method_std=self.init_method_std,
+            quick_gelu=self.quick_gelu,
             **self.impl(),
         )
 

@@ -36,6 +36,9 @@ from megatron_tempnet.utils.flags import option
 from megatron_tempnet.utils.logging import log_rank0
 from megatron_tempnet.utils.precision import to_training_dtype
 
+# what a pretrained-towers checkpoint (tools/checkpoint/convert_clip_to_megatron.py) may lack
+OPTIONAL = {"tempnets.": "TempNet", "tau_heads.": "TaU's heads", "log_tau": "CLIP's global tau"}
+
 
 @dataclass
 class CLIPEvalConfig:
@@ -204,7 +207,9 @@ class CLIPTask:
         module = module.cuda() if torch.cuda.is_available() else module
         m, tp = config.model, config.parallel.tensor_model_parallel_size
         layout = TensorLayout(m.vocab_size, m.padded_vocab_size(tp))
-        return TrainModel(module, _param_groups(module, config), tensor_layout=layout)
+        return TrainModel(
+            module, _param_groups(module, config), optional=OPTIONAL, tensor_layout=layout
+        )
 
     def _pipeline_stage(self, config: CLIPRunConfig, data: CLIPData) -> TrainModel:
         from megatron.core import parallel_state
