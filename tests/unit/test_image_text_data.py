@@ -377,3 +377,54 @@ def test_digits_read_back_as_grayscale_pairs(digits):
     png = png.astype(np.float32)
     expected = torch.from_numpy((png / 255 - 0.5) / 0.5)[None]
     assert torch.equal(ds[0]["image"], expected) and ds[0]["label"] == row["label"]
+
+
+def _samples(ds) -> list:
+    return [(s["tokens"].tolist(), s["label"], s["image"].sum().item()) for s in ds]
+
+
+def test_a_shard_index_is_built_once_and_reused_while_the_shard_is_unchanged(
+    sources, tmp_path, monkeypatch, caplog
+):
+    from megatron_tempnet.models.clip.data import pair_table
+
+    shard = sources / "shard.tar"
+    first = _dataset([shard])
+    beside = sources / "shard.tar.idx.json"
+    assert beside.is_file() and json.loads(beside.read_text())["size"] == shard.stat().st_size
+    expected = _samples(first)
+
+    def no_scan(path):
+        raise AssertionError(f"{path} scanned again")
+
+    with monkeypatch.context() as m:  # unchanged: read from the index, no header scanned
+        m.setattr(pair_table, "scan_shard", no_scan)
+        assert _samples(_dataset([shard])) == expected
+    scans = []
+    real_scan = pair_table.scan_shard
+    monkeypatch.setattr(pair_table, "scan_shard", lambda p: scans.append(p) or real_scan(p))
+    os.utime(shard, ns=(1, 1))  # another modification time: scanned anew
+    assert _samples(_dataset([shard])) == expected and len(scans) == 1
+    cache = tmp_path / "cache"  # --data-cache-path: the index goes there
+    assert _samples(_dataset([shard], data_cache_path=str(cache))) == expected
+    assert len(list((cache / "clip_shard_index").glob("*-shard.tar.json"))) == 1
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with caplog.at_level(logging.WARNING):  # cannot be written: a warning, the data still loads
+        assert _samples(_dataset([shard], data_cache_path=str(blocked))) == expected
+    assert "cannot write its member index" in caplog.text and "--data-cache-path" in caplog.text
+
+
+def test_pair_table_holds_the_pairs_without_python_objects():
+    from megatron_tempnet.models.clip.data.pair_table import PairTable
+
+    table = PairTable()
+    shard, manifest = table.source("a.tar"), table.source("b.csv")
+    table.add(shard, "k1", (512, 100), "a red dog", "dog")
+    table.add(manifest, "7", "/data/x.jpg", "ünïcode caption", "")
+    table.freeze()
+    assert len(table) == 2 and table.caption(1) == "ünïcode caption" and table.label(0) == "dog"
+    assert table.image(0) == ("a.tar", 512, 100) and table.image(1) == "/data/x.jpg"
+    assert table.where(0) == "a.tar:k1" and table.where(1) == "b.csv:7"
+    text = len("a red dogdogk1") + len("ünïcode caption".encode()) + len("7/data/x.jpg")
+    assert table.nbytes() == 2 * (4 + 8 + 8) + 4 * 2 * 8 + text

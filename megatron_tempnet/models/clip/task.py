@@ -153,7 +153,8 @@ class CLIPTask:
         from megatron.core import parallel_state
 
         t, e = config.training, config.evaluation
-        pairs = ImageTextDataset(config.data, tokenizer)
+        # rank 0 first: it scans each tar shard once and caches the index the others then read
+        pairs = _rank0_first(lambda: ImageTextDataset(config.data, tokenizer))
         train = EpochShuffledDataset(
             pairs,
             global_batch_size=t.global_batch_size,
@@ -172,14 +173,14 @@ class CLIPTask:
                     device="cuda" if torch.cuda.is_available() else None,
                 )
             )
-        return CLIPData(
-            train=train,
-            valid=_eval_set(config, tokenizer, e.valid_data),
-            rank_state=rank_state,
-            pairs=pairs,
-            ood=_eval_set(config, tokenizer, e.ood_data),
-            tokenizer=tokenizer,
-        )
+            return CLIPData(
+                train=train,
+                valid=_rank0_first(lambda: _eval_set(config, tokenizer, e.valid_data)),
+                rank_state=rank_state,
+                pairs=pairs,
+                ood=_rank0_first(lambda: _eval_set(config, tokenizer, e.ood_data)),
+                tokenizer=tokenizer,
+            )
 
     def build_model(self, config: CLIPRunConfig, data: CLIPData) -> TrainModel:
         if config.parallel.pipeline_model_parallel_size > 1:
@@ -294,6 +295,17 @@ class CLIPTask:
             templates=e.zeroshot_templates,
             ood_ds=data.ood,
         )
+
+
+def _rank0_first(build):
+    """``build()`` on global rank 0, then on the other ranks (what it caches, they read)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return build()
+    out = build() if dist.get_rank() == 0 else None
+    dist.barrier()
+    return out if dist.get_rank() == 0 else build()
 
 
 def _eval_set(config: CLIPRunConfig, tokenizer, paths: list[str] | None):

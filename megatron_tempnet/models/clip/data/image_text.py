@@ -9,7 +9,12 @@ Sources, in the order given:
 - a ``.tar`` shard (uncompressed), or a directory = its sorted ``.tar`` files: members grouped by
   key, the name up to the first dot of its file name (``KEY.jpg|jpeg|png|webp|bmp`` with
   ``KEY.txt``, optionally ``KEY.json`` holding the ``--label-key`` field, or ``KEY.cls``). Images
-  are read by offset through a handle each process opens lazily, never the whole shard.
+  are read by offset through a handle each process opens lazily, never the whole shard. The
+  members are found by one scan of the shard's headers, cached (``pair_table.shard_index``)
+  beside the shard or in ``--data-cache-path`` and reused while the shard is unchanged.
+
+The pairs are held in a ``pair_table.PairTable`` (text buffers and arrays, no Python object per
+pair).
 
 Sample ``i`` is the ``i``-th pair over the sources (rows in file order, tar samples in member
 order): the per-sample state of the CLIP losses is keyed by it. A bad row or member (missing
@@ -39,6 +44,7 @@ from megatron_tempnet.models.clip.data.captions import (
     noisy_caption,
     tokenize_captions,
 )
+from megatron_tempnet.models.clip.data.pair_table import IMAGE_SUFFIXES, PairTable, shard_index
 from megatron_tempnet.models.clip.data.transforms import DECODE_ERRORS, image_tensor
 from megatron_tempnet.utils.cli import UserError
 from megatron_tempnet.utils.flags import derived, option
@@ -49,7 +55,6 @@ logger = get_logger(__name__)
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's RGB normalisation
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 GRAY_MEAN, GRAY_STD = (0.5,), (0.5,)
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 MANIFEST_SUFFIXES = (".csv", ".tsv", ".jsonl")
 SKIP_HINT = "fix or remove it, or pass --skip-bad-samples"
 
@@ -94,6 +99,9 @@ class ImageTextDataConfig:
     paper, Sec. 6.2); evaluation sets get none."""
     skip_bad_samples: bool = False
     """Count and report bad rows and images instead of stopping."""
+    data_cache_path: str | None = None
+    """Where tar shards' member indexes are cached (default: beside each shard, as
+    SHARD.tar.idx.json); reused while a shard's size and modification time are unchanged."""
     seed: int = derived(1234)
     """The run's --seed: caption noise and augmentation draws."""
 
@@ -134,14 +142,6 @@ class ImageTextDataConfig:
             )
 
 
-@dataclass
-class _Pair:
-    where: str  # "file:line" or "shard.tar:member", for messages and the description hash
-    image: str | tuple[str, int, int]  # a path, or (shard, offset, size) of a tar member
-    caption: str
-    label: str
-
-
 class ImageTextDataset:
     """Map-style dataset of image-text pairs (usable by ``torch.utils.data.DataLoader``).
 
@@ -175,16 +175,17 @@ class ImageTextDataset:
             raise ImageTextDataError(no_eod_message(tokenizer))
         self.config, self.tokenizer, self.epoch_of = config, tokenizer, epoch_of
         reasons: list[str] = []
-        self.pairs: list[_Pair] = []
+        self.pairs = PairTable()
         for path in _expand(config.paths):
             read = _read_tar if path.endswith(".tar") else _read_manifest
-            self.pairs += read(path, config, reasons)
+            read(path, self.pairs, config, reasons)
+        self.pairs.freeze()
         self.skipped = len(reasons)
         if reasons:
             total = len(reasons) + len(self.pairs)
             msg = "--skip-bad-samples: skipped %d of %d pairs; the first: %s"
             warn_rank0(msg, len(reasons), total, reasons[0])
-        if not self.pairs:
+        if not len(self.pairs):
             raise ImageTextDataError(
                 f"{', '.join(config.paths)}: no image-text pairs"
                 + (f" ({len(reasons)} bad ones skipped)" if reasons else "")
@@ -196,16 +197,16 @@ class ImageTextDataset:
 
     def raw_caption(self, index: int) -> str:
         """The caption as written in the source."""
-        return self.pairs[index].caption
+        return self.pairs.caption(index)
 
     def caption(self, index: int) -> str:
         """The caption as trained (after ``--caption-noise``)."""
         c = self.config
-        return noisy_caption(self.pairs[index].caption, c.caption_noise, c.seed, index)
+        return noisy_caption(self.pairs.caption(index), c.caption_noise, c.seed, index)
 
     def label(self, index: int) -> str:
         """The ``--label-key`` value ("" without one)."""
-        return self.pairs[index].label
+        return self.pairs.label(index)
 
     def __getitem__(self, index: int) -> dict:
         return self.get(index, self.epoch_of(index) if self.epoch_of is not None else 0)
@@ -234,23 +235,23 @@ class ImageTextDataset:
                 "tokens": tokens[0],  # [L] int64
                 "length": lengths[0],  # int64 scalar
                 "index": torch.tensor(i, dtype=torch.int64),
-                "label": self.pairs[i].label,
+                "label": self.pairs.label(i),
             }
         raise ImageTextDataError(f"{', '.join(self.config.paths)}: no image can be decoded")
 
     def _image(self, index: int, epoch: int) -> torch.Tensor:
         """``[C, S, S]`` float32 of pair ``index``; ImageTextDataError when undecodable."""
-        pair, c = self.pairs[index], self.config
+        image, c = self.pairs.image(index), self.config
         seed = (c.seed, epoch, index) if c.augment else None
         try:
-            data = self._read(pair.image)
+            data = self._read(image)
             return image_tensor(
                 io.BytesIO(data), c.image_size, c.image_channels, c.image_mean, c.image_std, seed
             )
         except DECODE_ERRORS as e:
-            what = pair.image if isinstance(pair.image, str) else "the image member"
+            what = image if isinstance(image, str) else "the image member"
             raise ImageTextDataError(
-                f"{pair.where}: sample {index}: cannot read {what} ({e}); {SKIP_HINT}"
+                f"{self.pairs.where(index)}: sample {index}: cannot read {what} ({e}); {SKIP_HINT}"
             ) from None
 
     def _read(self, image: str | tuple[str, int, int]) -> bytes:
@@ -279,13 +280,16 @@ class ImageTextDataset:
         return {**self.__dict__, "_files": {}}
 
 
-def _description_hash(pairs: list[_Pair], config: ImageTextDataConfig) -> str:
+def _description_hash(pairs: PairTable, config: ImageTextDataConfig) -> str:
     """Hex digest of the pairs and the config fields that change what a sample holds."""
     digest = hashlib.sha256()
-    for p in pairs:
-        image = p.image if isinstance(p.image, str) else f"{p.image[1]}+{p.image[2]}"
-        digest.update(f"{p.where}\t{image}\t{p.caption}\t{p.label}\n".encode())
-    fields = {k: v for k, v in asdict(config).items() if k != "skip_bad_samples"}
+    for i in range(len(pairs)):
+        image = pairs.image(i)
+        image = image if isinstance(image, str) else f"{image[1]}+{image[2]}"
+        line = f"{pairs.where(i)}\t{image}\t{pairs.caption(i)}\t{pairs.label(i)}\n"
+        digest.update(line.encode("utf-8", "surrogateescape"))
+    ignored = ("skip_bad_samples", "data_cache_path")
+    fields = {k: v for k, v in asdict(config).items() if k not in ignored}
     digest.update(repr(sorted(fields.items())).encode())
     return digest.hexdigest()[:16]
 
@@ -347,8 +351,10 @@ def _json_row(line: str) -> dict | str:
     return row if isinstance(row, dict) else "not a JSON object"
 
 
-def _read_manifest(path: str, config: ImageTextDataConfig, reasons: list[str]) -> list[_Pair]:
-    base, pairs = os.path.dirname(os.path.abspath(path)), []
+def _read_manifest(
+    path: str, pairs: PairTable, config: ImageTextDataConfig, reasons: list[str]
+) -> None:
+    base, source = os.path.dirname(os.path.abspath(path)), pairs.source(path)
     flags = {config.image_key: "--image-key", config.caption_key: "--caption-key"}
     if config.label_key:
         flags[config.label_key] = "--label-key"
@@ -368,52 +374,25 @@ def _read_manifest(path: str, config: ImageTextDataConfig, reasons: list[str]) -
                 _bad(f"{where}: image {image} does not exist", config, reasons)
                 continue
             label = str(values[config.label_key]).strip() if config.label_key else ""
-            pairs.append(_Pair(where, image, str(values[config.caption_key]).strip(), label))
+            caption = str(values[config.caption_key]).strip()
+            pairs.add(source, str(number), image, caption, label)
     except UnicodeDecodeError as e:
         raise ImageTextDataError(f"{path}: not UTF-8 text ({e}); re-save it as UTF-8") from None
-    return pairs
 
 
-def _tar_groups(path: str) -> dict[str, dict]:
-    """Members grouped by key: ``"image": (path, offset, size)``, the bytes of KEY.txt/.json/.cls,
-    ``"problem"`` for a duplicate."""
-    groups: dict[str, dict] = {}
+def _tar_pair(where: str, texts: dict[str, str], has_image: bool, problem: str,
+              config: ImageTextDataConfig) -> tuple[str, str] | str:  # fmt: skip
+    """``(caption, label)`` of a sample, or what is wrong with it."""
+    if problem:
+        return f"{where}: {problem}"
     try:
-        with tarfile.open(path, mode="r:") as tar:  # "r:": offsets must be file offsets
-            for member in tar:
-                if not member.isfile():
-                    continue
-                folder, name = os.path.split(member.name)
-                stem, _, suffix = name.partition(".")
-                group = groups.setdefault(os.path.join(folder, stem), {})
-                suffix = "." + suffix.lower()
-                if suffix in IMAGE_SUFFIXES or suffix in (".txt", ".json", ".cls"):
-                    slot = "image" if suffix in IMAGE_SUFFIXES else suffix
-                    if slot in group:
-                        group["problem"] = f"two {slot} members ({member.name})"
-                    elif slot == "image":
-                        group[slot] = (path, member.offset_data, member.size)
-                    else:
-                        group[slot] = tar.extractfile(member).read()
-    except (tarfile.TarError, OSError) as e:
-        raise ImageTextDataError(f"{path}: not a readable uncompressed tar shard ({e})") from None
-    return groups
-
-
-def _tar_pair(where: str, group: dict, config: ImageTextDataConfig) -> _Pair | str:
-    """A pair, or what is wrong with the sample."""
-    if "problem" in group:
-        return f"{where}: {group['problem']}"
-    try:
-        text = {
-            k: group[k].decode("utf-8").strip() for k in (".txt", ".json", ".cls") if k in group
-        }
+        text = {k: v.encode("utf-8").decode("utf-8").strip() for k, v in texts.items()}
         meta = json.loads(text[".json"]) if ".json" in text else {}
-    except UnicodeDecodeError:
+    except UnicodeEncodeError:  # bytes that were not UTF-8 (kept as surrogates by the index)
         return f"{where}: a text member is not UTF-8"
     except json.JSONDecodeError as e:
         return f"{where}.json: not JSON ({e.msg})"
-    if "image" not in group:
+    if not has_image:
         return f"{where}: the sample has no image ({', '.join(IMAGE_SUFFIXES)})"
     if not text.get(".txt"):
         return f"{where}: the sample has no caption (a non-empty {where}.txt)"
@@ -423,15 +402,18 @@ def _tar_pair(where: str, group: dict, config: ImageTextDataConfig) -> _Pair | s
         label = str(found).strip() if found is not None else text.get(".cls", "")
         if not label:
             return f"{where}: no label (--label-key {config.label_key}: .json field or .cls)"
-    return _Pair(where, group["image"], text[".txt"], label)
+    return text[".txt"], label
 
 
-def _read_tar(path: str, config: ImageTextDataConfig, reasons: list[str]) -> list[_Pair]:
-    pairs = []
-    for key, group in _tar_groups(path).items():
-        pair = _tar_pair(f"{path}:{key}", group, config)
+def _read_tar(path: str, pairs: PairTable, config: ImageTextDataConfig, reasons: list[str]) -> None:
+    try:
+        groups = shard_index(path, config.data_cache_path)
+    except (tarfile.TarError, OSError) as e:
+        raise ImageTextDataError(f"{path}: not a readable uncompressed tar shard ({e})") from None
+    source = pairs.source(path)
+    for key, offset, size, texts, problem in groups:
+        pair = _tar_pair(f"{path}:{key}", texts, offset >= 0, problem, config)
         if isinstance(pair, str):
             _bad(pair, config, reasons)
         else:
-            pairs.append(pair)
-    return pairs
+            pairs.add(source, key, (offset, size), *pair)
