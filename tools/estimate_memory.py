@@ -1,7 +1,12 @@
-"""Will it fit? Per-GPU memory of a pretrain_gpt.py run, from its flags, without a GPU.
+"""Will it fit? Per-GPU memory of a pretrain_gpt.py or pretrain_clip.py run, without a GPU.
 
     python tools/estimate_memory.py --model llama2-70b --tp 8 --pp 2 --dp 4 --zero 1 \\
         --micro-batch-size 1 --global-batch-size 16 --seq-length 4096 --bf16 --freeze-lm
+    python tools/estimate_memory.py --clip --model vit-b-16 --dp 64 --micro-batch-size 256 \\
+        --clip-loss isogclr --num-samples 12000000 --bf16
+
+CLIP (``--clip``): both towers, the temperature, the [b, B] similarity rows and the loss's
+buffers, the per-sample state shard of a rank (models/clip/memory.py).
 
 Prints the breakdown for the fullest pipeline stage (weights, gradients, optimizer states per
 ZeRO stage, activations, the logits shard, the loss's and TempNet's buffers) and a verdict against
@@ -15,9 +20,12 @@ import argparse
 import sys
 
 from megatron_tempnet.models.attention import ATTENTION_BACKENDS
+from megatron_tempnet.models.clip import memory as clip_memory
+from megatron_tempnet.models.clip.config import CLIP_LOSSES, CLIP_PRESETS, CLIPModelConfig
 from megatron_tempnet.models.gpt.config import PRESETS, ModelConfig
 from megatron_tempnet.models.gpt.memory import (
     GIB,
+    EstimateError,
     Layout,
     estimate,
     largest,
@@ -31,7 +39,12 @@ GPT2_VOCAB = 50257  # GPT-2's BPE, for presets without a vocabulary (LLaMA's hav
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="llama2-70b", choices=sorted(PRESETS))
+    p.add_argument("--clip", action="store_true", help="a pretrain_clip.py run (--model: CLIP's)")
+    p.add_argument("--model", choices=sorted(PRESETS | CLIP_PRESETS), help="default: llama2-70b "
+                   "(--clip: vit-b-16)")  # fmt: skip
+    p.add_argument("--clip-loss", choices=CLIP_LOSSES, default="tempnet", help="with --clip")
+    p.add_argument("--num-samples", type=int, default=0,
+                   help="with --clip: training pairs (the per-sample state)")  # fmt: skip
     for flag in (
         "num-layers",
         "hidden-size",
@@ -179,8 +192,46 @@ def model_name(model: ModelConfig) -> str:
     )
 
 
+def clip_report(args) -> str:
+    name = args.model or "vit-b-16"
+    if name not in CLIP_PRESETS:
+        raise EstimateError(f"--clip --model {name}: one of {', '.join(sorted(CLIP_PRESETS))}")
+    model = CLIPModelConfig.from_preset(name, vocab_size=args.vocab_size or 49408)
+    layout = clip_memory.CLIPLayout(
+        tensor_parallel=args.tp,
+        pipeline_parallel=args.pp,
+        data_parallel=args.dp,
+        zero_stage=args.zero,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        clip_loss=args.clip_loss,
+        num_samples=args.num_samples,
+        tempnet_proj_size=args.tempnet_proj_size,
+    )
+    stage = clip_memory.largest(clip_memory.estimate(model, layout))
+    lines = [
+        f"CLIP {name} ({args.clip_loss}): TP {args.tp} x PP {args.pp} x DP {args.dp}, ZeRO-"
+        f"{args.zero}, {layout.precision}, {args.micro_batch_size} pairs per micro-batch, "
+        f"contrastive batch {args.micro_batch_size * args.dp}",
+        f"per GPU, fullest stage ({stage.stage + 1} of {args.pp}: {stage.vision_layers} vision "
+        f"and {stage.text_layers} text layers; {_count(stage.params)} parameters):",
+    ]
+    lines += [f"  {k:<22} {v / GIB:9.2f} GiB" for k, v in stage.parts.items()]
+    total = stage.total / GIB
+    verdict = "fits" if total <= args.gpu_memory_gb else "does NOT fit"
+    lines.append(f"  {'total':<22} {total:9.2f} GiB of {args.gpu_memory_gb:g} GiB: {verdict}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.clip:
+        print(clip_report(args))
+        return 0
+    args.model = args.model or "llama2-70b"
+    if args.model not in PRESETS:
+        raise EstimateError(f"--model {args.model} is a CLIP model: add --clip")
     print(report(_model(args), _layout(args), args.gpu_memory_gb))
     return 0
 

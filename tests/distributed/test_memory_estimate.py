@@ -159,8 +159,84 @@ def test_the_70b_recipe_and_flag_errors():
     assert activations["unfused"] - activations["fused"] == pytest.approx(21.08, abs=0.01)
     recompute = _tool(*recipe, "--attention-backend", "unfused", "--recompute-activations")
     assert "of 80 GiB: fits" in recompute.stdout
+    clip = _tool("--clip", "--model", "vit-b-16", "--dp", "64", "--micro-batch-size", "256",
+                 "--clip-loss", "sogclr", "--num-samples", "12000000", "--bf16")  # fmt: skip
+    # OpenAI's ViT-B/16 CLIP: 149,620,737 parameters with its logit scale (sogclr has none)
+    assert clip.returncode == 0 and "149.62 M parameters" in clip.stdout, clip.stderr
+    assert "contrastive batch 16384" in clip.stdout and "of 80 GiB: fits" in clip.stdout
     bad = _tool(*recipe[:8], "--zero", "2")
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert "--zero-stage 2 does not work with --pipeline-model-parallel-size > 1" in bad.stderr
     heads = _tool("--model", "llama2-7b", "--tp", "3")
     assert heads.returncode == 1 and "--num-attention-heads (32)" in heads.stderr
+
+
+def _measure_clip(loss: str, mbs: int, image_size: int, layers: int, hidden: int):
+    """One CLIP training step (towers, temperature, loss) after a warm-up step: the peak of
+    live tensor bytes, as for GPT above."""
+    from megatron.core import parallel_state
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from megatron_tempnet.compat import apply_cpu_support
+    from megatron_tempnet.models.clip.config import CLIPLossConfig
+    from megatron_tempnet.models.clip.objective import CLIPTrainModule
+    from megatron_tempnet.models.clip.towers import CLIPModel
+
+    apply_cpu_support()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    cfg = _clip_config(image_size, layers, hidden)
+    objective = CLIPLossConfig(clip_loss=loss, tempnet_proj_size=32)
+    module = CLIPTrainModule(CLIPModel(cfg, seed=1), objective)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(mbs, 3, image_size, image_size, generator=g)
+    tokens = torch.randint(0, cfg.vocab_size, (mbs, cfg.context_length), generator=g)
+    lengths = torch.full((mbs,), 20)
+    k = len(objective.state_fields)
+    state, seen = torch.zeros(mbs, k), torch.zeros(mbs, dtype=torch.bool)
+
+    def step():
+        module(images, tokens, lengths, state, seen).loss.mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    tracker = MemTracker()
+    tracker.track_external(module, optimizer)
+    with tracker:
+        step()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def _clip_config(image_size: int, layers: int, hidden: int):
+    from megatron_tempnet.models.clip.config import CLIPModelConfig
+
+    return CLIPModelConfig.from_preset(
+        "clip-tiny", vocab_size=500, image_size=image_size, image_channels=3, embed_dim=64,
+        vision_layers=layers, text_layers=layers, vision_hidden_size=hidden,
+        text_hidden_size=hidden, context_length=32,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "loss,mbs,image_size,layers,hidden",
+    [("tempnet", 1024, 8, 1, 32), ("clip", 1024, 8, 1, 32), ("isogclr", 32, 64, 4, 256)],
+    ids=["tempnet-rows", "infonce-rows", "isogclr-towers"],
+)
+def test_clip_total_is_within_20_percent_of_the_measured_peak(loss, mbs, image_size, layers,
+                                                              hidden):  # fmt: skip
+    """The [b, B] similarity rows and the loss's buffers dominate the first two, the towers'
+    activations the third."""
+    from megatron_tempnet.models.clip.memory import CLIPLayout, estimate, largest
+    from megatron_tempnet.models.clip.sample_state import ShardedSampleState
+
+    peak = run_distributed(_measure_clip, 1, args=(loss, mbs, image_size, layers, hidden))[0]
+    layout = CLIPLayout(micro_batch_size=mbs, clip_loss=loss, tempnet_proj_size=32)
+    planned = largest(estimate(_clip_config(image_size, layers, hidden), layout))
+    assert planned.total == pytest.approx(peak, rel=0.2), (planned.parts, peak)
+    # the per-sample state: this rank's shard as ShardedSampleState holds it (1M pairs, DP 8)
+    layout = CLIPLayout(micro_batch_size=mbs, clip_loss=loss, num_samples=10**6, data_parallel=8)
+    planned = largest(estimate(_clip_config(image_size, layers, hidden), layout))
+    shard = ShardedSampleState(10**6 // 8, ("x",) * (8 if loss == "isogclr" else 4))
+    expected = shard.values.nbytes + shard.seen.nbytes if loss != "clip" else 0
+    assert planned.parts["per-sample state"] == expected

@@ -50,12 +50,17 @@ from dataclasses import dataclass, field
 
 from megatron_tempnet.losses.output_stage import default_chunk_size
 from megatron_tempnet.models.gpt.config import ModelConfig
+from megatron_tempnet.models.memory import (  # noqa: F401  (the planner's and tests' names)
+    GIB,
+    PRECISIONS,
+    layer_activation_bytes,
+    layer_params,
+    model_state_bytes,
+    norm_params,
+)
 from megatron_tempnet.models.transformer import ModelConfigError
 from megatron_tempnet.tempnet.config import TempNetConfig
 from megatron_tempnet.utils.cli import UserError
-
-GIB = 2**30
-PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 class EstimateError(UserError, ValueError):
@@ -151,25 +156,6 @@ def check_layout(model: ModelConfig, layout: Layout) -> None:
         )
 
 
-def layer_params(model: ModelConfig, tp: int) -> int:
-    """One transformer layer's parameters on one TP rank."""
-    h, heads = model.hidden_size, model.num_attention_heads
-    d = h // heads
-    groups = model.num_query_groups or heads
-    ffn = model.ffn_hidden_size or 4 * h
-    up = 2 * ffn if model.swiglu else ffn
-    bias = model.add_bias_linear
-    qkv = h * (heads + 2 * groups) * d // tp + (bias and (heads + 2 * groups) * d // tp)
-    proj = heads * d * h // tp + (bias and h)
-    mlp = h * up // tp + (bias and up // tp) + ffn * h // tp + (bias and h)
-    norms = 2 * _norm_params(model)
-    return qkv + proj + mlp + norms
-
-
-def _norm_params(model: ModelConfig) -> int:
-    return model.hidden_size * (2 if model.normalization == "LayerNorm" else 1)
-
-
 def tempnet_params(model: ModelConfig, layout: Layout) -> int:
     """TempNetLM on the fullest TP rank: W1 over its true vocabulary columns (the first ranks
     hold a whole shard, the last one the rest), then replicated layers."""
@@ -200,45 +186,11 @@ def stage_params(model: ModelConfig, layout: Layout) -> list[StageParams]:
             s.lm += vocab + positions
             s.largest_layer = max(per_layer, vocab)
         if s.last:
-            s.lm += _norm_params(model) + (0 if tied and pp == 1 else vocab)
+            s.lm += norm_params(model) + (0 if tied and pp == 1 else vocab)
             s.largest_layer = max(s.largest_layer, vocab)
             s.tempnet = tempnet_params(model, layout) if layout.tempnet else 0
         stages.append(s)
     return stages
-
-
-def model_state_bytes(trainable: int, frozen: int, largest: int, layout: Layout) -> dict:
-    """Weights, gradients and optimizer states per GPU (DeepSpeed's accounting, see above)."""
-    n, z = layout.data_parallel, layout.zero_stage
-    shard = lambda stage, x: x / n if z >= stage else x  # noqa: E731  (partitioned from `stage`)
-    if PRECISIONS[layout.precision] == 2:
-        weights = shard(3, 2 * (trainable + frozen)) + (4 * largest if z == 3 else 0)
-        grads = (0 if z == 3 else shard(2, 2 * trainable)) + shard(1, 4 * trainable)
-        optim = shard(1, 12 * trainable)
-    else:
-        weights = shard(3, 4 * (trainable + frozen)) + (4 * largest if z == 3 else 0)
-        grads = shard(2, 4 * trainable)
-        optim = shard(1, 8 * trainable)
-    return {"weights": int(weights), "gradients": int(grads), "optimizer states": int(optim)}
-
-
-def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int) -> int:
-    """What one transformer layer keeps for backward, one micro-batch (formula above)."""
-    e, t, b, s = (
-        PRECISIONS[layout.precision],
-        layout.tensor_parallel,
-        layout.micro_batch_size,
-        seq_length,
-    )
-    h, a = model.hidden_size, model.num_attention_heads
-    ffn = model.ffn_hidden_size or 4 * h
-    up = 2 * ffn if model.swiglu else ffn
-    if model.attention_backend == "unfused":
-        qkv, attention = 3 * h, e * b * a * s * s // t
-    else:
-        kv_size = (model.num_query_groups or a) * (h // a)
-        qkv, attention = h + 2 * kv_size, 4 * b * a * s // t
-    return s * b * e * (4 * h + (qkv + h + ffn + up) // t) + attention
 
 
 def _attention_transient(model: ModelConfig, layout: Layout, seq_length: int) -> int:

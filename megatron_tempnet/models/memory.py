@@ -1,0 +1,67 @@
+"""Memory arithmetic every model family's planner shares: a transformer layer's parameters and
+the activations it keeps for backward, and model states per ZeRO stage (the accounting is
+explained in ``models/gpt/memory.py``).
+
+``shape`` is a ``TransformerShape`` (a GPT model, or one CLIP tower); ``layout`` anything with
+``tensor_parallel``, ``data_parallel``, ``zero_stage``, ``precision`` and ``micro_batch_size``.
+"""
+
+from __future__ import annotations
+
+from megatron_tempnet.models.transformer import TransformerShape
+
+GIB = 2**30
+PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def layer_params(model: TransformerShape, tp: int) -> int:
+    """One transformer layer's parameters on one TP rank."""
+    h, heads = model.hidden_size, model.num_attention_heads
+    d = h // heads
+    groups = model.num_query_groups or heads
+    ffn = model.ffn_hidden_size or 4 * h
+    up = 2 * ffn if model.swiglu else ffn
+    bias = model.add_bias_linear
+    qkv = h * (heads + 2 * groups) * d // tp + (bias and (heads + 2 * groups) * d // tp)
+    proj = heads * d * h // tp + (bias and h)
+    mlp = h * up // tp + (bias and up // tp) + ffn * h // tp + (bias and h)
+    norms = 2 * norm_params(model)
+    return qkv + proj + mlp + norms
+
+
+def norm_params(model: TransformerShape) -> int:
+    return model.hidden_size * (2 if model.normalization == "LayerNorm" else 1)
+
+
+def model_state_bytes(trainable: int, frozen: int, largest: int, layout) -> dict:
+    """Weights, gradients and optimizer states per GPU (DeepSpeed's accounting, see above)."""
+    n, z = layout.data_parallel, layout.zero_stage
+    shard = lambda stage, x: x / n if z >= stage else x  # noqa: E731  (partitioned from `stage`)
+    if PRECISIONS[layout.precision] == 2:
+        weights = shard(3, 2 * (trainable + frozen)) + (4 * largest if z == 3 else 0)
+        grads = (0 if z == 3 else shard(2, 2 * trainable)) + shard(1, 4 * trainable)
+        optim = shard(1, 12 * trainable)
+    else:
+        weights = shard(3, 4 * (trainable + frozen)) + (4 * largest if z == 3 else 0)
+        grads = shard(2, 4 * trainable)
+        optim = shard(1, 8 * trainable)
+    return {"weights": int(weights), "gradients": int(grads), "optimizer states": int(optim)}
+
+
+def layer_activation_bytes(model: TransformerShape, layout, seq_length: int) -> int:
+    """What one transformer layer keeps for backward, one micro-batch (formula above)."""
+    e, t, b, s = (
+        PRECISIONS[layout.precision],
+        layout.tensor_parallel,
+        layout.micro_batch_size,
+        seq_length,
+    )
+    h, a = model.hidden_size, model.num_attention_heads
+    ffn = model.ffn_hidden_size or 4 * h
+    up = 2 * ffn if model.swiglu else ffn
+    if model.attention_backend == "unfused":
+        qkv, attention = 3 * h, e * b * a * s * s // t
+    else:
+        kv_size = (model.num_query_groups or a) * (h // a)
+        qkv, attention = h + 2 * kv_size, 4 * b * a * s // t
+    return s * b * e * (4 * h + (qkv + h + ffn + up) // t) + attention
