@@ -203,16 +203,20 @@ def test_pp2_equals_pp1(digits, tmp_path, one_process_curves, loss):
     assert last_stage["rank_state"]["sample_state"]["seen"].sum() == 48  # every pair, stage 2
 
 
-def test_tp2_pp2_equals_tp1(digits, tmp_path, one_process_curves):
-    """TP 2 x PP 2 with TempNet: the TP 1 curve (the same padded vocabulary of 128)."""
-    _pretrain(4, _args(digits, tmp_path, **PP_FLAGS, **{"clip-loss": "tempnet",
+@pytest.mark.parametrize("loss", LOSSES)
+def test_tp2_pp2_equals_tp1(digits, tmp_path, one_process_curves, loss):
+    """TP 2 x PP 2: the TP 1 curve (the same padded vocabulary of 128)."""
+    _pretrain(4, _args(digits, tmp_path, **PP_FLAGS, **{"clip-loss": loss,
               "pipeline-model-parallel-size": 2, "tensor-model-parallel-size": 2,
               "make-vocab-size-divisible-by": 64}))  # fmt: skip
-    rows, expected = _rows(tmp_path / "metrics.jsonl"), one_process_curves["tempnet"]
+    rows, expected = _rows(tmp_path / "metrics.jsonl"), one_process_curves[loss]
     _assert_same_curve([r for r in rows if "loss" in r], [r for r in expected if "loss" in r],
                        rtol=1e-4)  # fmt: skip
     final = [[r for r in x if "val_ir@1" in r][0] for x in (rows, expected)]
-    assert final[0]["val_tau_image_mean"] == pytest.approx(final[1]["val_tau_image_mean"], rel=1e-4)
+    assert final[0]["val_ir@1"] == pytest.approx(final[1]["val_ir@1"], abs=0.6)
+    if "val_tau_image_mean" in final[1]:  # the losses that predict a tau
+        assert final[0]["val_tau_image_mean"] == pytest.approx(final[1]["val_tau_image_mean"],
+                                                               rel=1e-4)  # fmt: skip
 
 
 @pytest.mark.parametrize("loss", ["isogclr", "tempnet"])

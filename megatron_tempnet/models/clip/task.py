@@ -173,14 +173,14 @@ class CLIPTask:
                     device="cuda" if torch.cuda.is_available() else None,
                 )
             )
-            return CLIPData(
-                train=train,
-                valid=_rank0_first(lambda: _eval_set(config, tokenizer, e.valid_data)),
-                rank_state=rank_state,
-                pairs=pairs,
-                ood=_rank0_first(lambda: _eval_set(config, tokenizer, e.ood_data)),
-                tokenizer=tokenizer,
-            )
+        return CLIPData(
+            train=train,
+            valid=_rank0_first(lambda: _eval_set(config, tokenizer, e.valid_data)),
+            rank_state=rank_state,
+            pairs=pairs,
+            ood=_rank0_first(lambda: _eval_set(config, tokenizer, e.ood_data)),
+            tokenizer=tokenizer,
+        )
 
     def build_model(self, config: CLIPRunConfig, data: CLIPData) -> TrainModel:
         if config.parallel.pipeline_model_parallel_size > 1:
