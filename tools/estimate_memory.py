@@ -113,15 +113,8 @@ def _model(args) -> ModelConfig:
 
 
 def _layout(args) -> Layout:
-    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     return Layout(
-        tensor_parallel=args.tp,
-        pipeline_parallel=args.pp,
-        data_parallel=args.dp,
-        zero_stage=args.zero,
-        micro_batch_size=args.micro_batch_size,
-        global_batch_size=args.global_batch_size,
-        precision=precision,
+        **Layout.flags(args),
         freeze_lm=args.freeze_lm,
         recompute_activations=args.recompute_activations,
         tempnet=not args.no_tempnet,
@@ -198,13 +191,7 @@ def clip_report(args) -> str:
         raise EstimateError(f"--clip --model {name}: one of {', '.join(sorted(CLIP_PRESETS))}")
     model = CLIPModelConfig.from_preset(name, vocab_size=args.vocab_size or 49408)
     layout = clip_memory.CLIPLayout(
-        tensor_parallel=args.tp,
-        pipeline_parallel=args.pp,
-        data_parallel=args.dp,
-        zero_stage=args.zero,
-        micro_batch_size=args.micro_batch_size,
-        global_batch_size=args.global_batch_size,
-        precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        **clip_memory.CLIPLayout.flags(args),
         clip_loss=args.clip_loss,
         num_samples=args.num_samples,
         tempnet_proj_size=args.tempnet_proj_size,

@@ -285,6 +285,14 @@ def write_module_checkpoint(
     return out
 
 
+def write_model_flags(save_dir: str, flags: list[str]) -> str:
+    """``DIR/model_flags.txt``: the model flags that build a converted checkpoint's model."""
+    line = " ".join(flags)
+    with open(os.path.join(save_dir, "model_flags.txt"), "w") as f:
+        f.write(line + "\n")
+    return line
+
+
 def _mp_state(module: dict | None, mp_world_size: int, config: dict) -> dict:
     """The engine file DeepSpeed reads for a module-only load (and our run config)."""
     return {

@@ -8,10 +8,45 @@ explained in ``models/gpt/memory.py``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from megatron_tempnet.models.transformer import TransformerShape
 
 GIB = 2**30
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass
+class BatchLayout:
+    """The parallel layout and batch of a run (each family's planner adds its own fields)."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 1
+    zero_stage: int = 0
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    """None: one micro-batch per data-parallel rank (no accumulation)."""
+    precision: str = "fp32"
+
+    @property
+    def micro_batches(self) -> int:
+        gbs = self.global_batch_size or self.micro_batch_size * self.data_parallel
+        return gbs // (self.micro_batch_size * self.data_parallel)
+
+    @classmethod
+    def flags(cls, args) -> dict:
+        """The fields from the planner's flags (``--tp --pp --dp --zero --micro-batch-size
+        --global-batch-size --bf16 --fp16``)."""
+        return dict(
+            tensor_parallel=args.tp,
+            pipeline_parallel=args.pp,
+            data_parallel=args.dp,
+            zero_stage=args.zero,
+            micro_batch_size=args.micro_batch_size,
+            global_batch_size=args.global_batch_size,
+            precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        )
 
 
 def layer_params(model: TransformerShape, tp: int) -> int:

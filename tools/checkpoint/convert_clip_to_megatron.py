@@ -21,7 +21,7 @@ import sys
 import torch
 
 from megatron_tempnet.distributed.sharding import shard_tensor, tensor_kind
-from megatron_tempnet.inference.checkpoint_io import write_module_checkpoint
+from megatron_tempnet.inference.checkpoint_io import write_model_flags, write_module_checkpoint
 from megatron_tempnet.inference.hf_weights import HFWeights
 from megatron_tempnet.models.clip import pretrained
 from megatron_tempnet.models.clip.config import CLIPModelConfig
@@ -136,9 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         config={"model": model.__dict__.copy(), "converted_from": source},
         note=f"Weights only, converted from {source}.\n",
     )
-    flags = " ".join(model_flags(fields))
-    with open(os.path.join(args.save, "model_flags.txt"), "w") as f:
-        f.write(flags + "\n")
+    flags = write_model_flags(args.save, model_flags(fields))
     print(
         f"wrote {path} (TP {args.tp}, vocabulary {fields['vocab_size']} padded to {padded}); "
         f"train from it with\n  pretrain_clip.py {flags} --tensor-model-parallel-size {args.tp} "

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from megatron_tempnet.inference.checkpoint_io import write_checkpoint
+from megatron_tempnet.inference.checkpoint_io import write_checkpoint, write_model_flags
 from megatron_tempnet.inference.hf_weights import HFWeights, from_hf, model_config_from_hf
 from megatron_tempnet.models.gpt.config import model_flags
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError, latest_tag
@@ -66,9 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         config=config,
         note=f"Weights only, converted from {os.path.abspath(args.hf_dir)}.\n",
     )
-    flags = " ".join(model_flags(model))
-    with open(os.path.join(args.save, "model_flags.txt"), "w") as f:
-        f.write(flags + "\n")
+    flags = write_model_flags(args.save, model_flags(model))
     print(
         f"wrote {path} (TP {args.tp} x PP {args.pp}); train it with\n  pretrain_gpt.py {flags} "
         f"--tensor-model-parallel-size {args.tp} --pipeline-model-parallel-size {args.pp} "

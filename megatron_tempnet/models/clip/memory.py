@@ -29,6 +29,7 @@ from megatron_tempnet.models.clip.config import CLIPModelConfig
 from megatron_tempnet.models.clip.sample_state import ShardedSampleState
 from megatron_tempnet.models.memory import (
     PRECISIONS,
+    BatchLayout,
     layer_activation_bytes,
     layer_params,
     model_state_bytes,
@@ -40,23 +41,11 @@ STATE_FIELDS = {"clip": 0, "tau": 0, "sogclr": 4, "tempnet": 4, "isogclr": 8}
 
 
 @dataclass
-class CLIPLayout:
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    data_parallel: int = 1
-    zero_stage: int = 0
-    micro_batch_size: int = 1
-    global_batch_size: int | None = None
-    precision: str = "fp32"
+class CLIPLayout(BatchLayout):
     clip_loss: str = "tempnet"
     num_samples: int = 0
     """Training pairs (the per-sample state's size)."""
     tempnet_proj_size: int = 256
-
-    @property
-    def micro_batches(self) -> int:
-        gbs = self.global_batch_size or self.micro_batch_size * self.data_parallel
-        return gbs // (self.micro_batch_size * self.data_parallel)
 
 
 @dataclass

@@ -53,6 +53,7 @@ from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.memory import (  # noqa: F401  (the planner's and tests' names)
     GIB,
     PRECISIONS,
+    BatchLayout,
     layer_activation_bytes,
     layer_params,
     model_state_bytes,
@@ -68,15 +69,7 @@ class EstimateError(UserError, ValueError):
 
 
 @dataclass
-class Layout:
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    data_parallel: int = 1
-    zero_stage: int = 0
-    micro_batch_size: int = 1
-    global_batch_size: int | None = None
-    """None: one micro-batch per data-parallel rank (no accumulation)."""
-    precision: str = "fp32"
+class Layout(BatchLayout):
     freeze_lm: bool = False
     recompute_activations: bool = False
     tempnet: bool = True
@@ -85,11 +78,6 @@ class Layout:
     fused_output_stage: bool = True
     output_stage_chunk_size: int = 0
     """Tokens per chunk of the fused output stage (0: its default)."""
-
-    @property
-    def micro_batches(self) -> int:
-        gbs = self.global_batch_size or self.micro_batch_size * self.data_parallel
-        return gbs // (self.micro_batch_size * self.data_parallel)
 
 
 @dataclass
