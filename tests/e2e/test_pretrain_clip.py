@@ -203,6 +203,24 @@ def test_pp2_equals_pp1(digits, tmp_path, one_process_curves, loss):
     assert last_stage["rank_state"]["sample_state"]["seen"].sum() == 48  # every pair, stage 2
 
 
+def test_a_pp2_checkpoint_resumes_in_one_process(digits, tmp_path, one_process_curves):
+    """iSogCLR: 5 iterations at PP 2, then 5 more in one process (the layout-free copy and the
+    last stage's per-sample state): the one-process curve within 1e-4."""
+    flags = {
+        **PP_FLAGS,
+        "clip-loss": "isogclr",
+        "save": tmp_path / "ckpt",
+        "load": tmp_path / "ckpt",
+    }
+    _pretrain(2, _args(digits, tmp_path, **flags, **{"pipeline-model-parallel-size": 2,
+                                                     "exit-interval": 5}))  # fmt: skip
+    r = _pretrain(1, _args(digits, tmp_path, **flags))
+    assert "resharding from" in r.stdout + r.stderr
+    got = _curve(tmp_path / "metrics.jsonl")
+    assert [x["iteration"] for x in got] == list(range(1, 11))
+    _assert_same_curve(got, [r for r in one_process_curves["isogclr"] if "loss" in r], rtol=1e-4)
+
+
 @pytest.mark.parametrize("loss", LOSSES)
 def test_tp2_pp2_equals_tp1(digits, tmp_path, one_process_curves, loss):
     """TP 2 x PP 2: the TP 1 curve (the same padded vocabulary of 128)."""
