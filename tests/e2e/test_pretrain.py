@@ -97,6 +97,21 @@ def test_parallel_layouts_give_the_same_loss_curve(corpus, reference_curve, tmp_
         assert got["consumed_samples"] == ref["consumed_samples"]
 
 
+def test_loader_workers_give_the_same_run(corpus, reference_curve, tmp_path):
+    """The reference read its samples in the training process; two loader workers (the
+    default) give the same run, validation included, to the last bit."""
+    _pretrain(1, _args(corpus, tmp_path, **UNFUSED, **{"metrics-file": tmp_path / "m.jsonl"}))
+    got = _curve(tmp_path / "m.jsonl")
+    timing = ("tokens_per_sec", "memory_mb")
+    assert len(got) == len(reference_curve) == 10
+    for a, b in zip(got, reference_curve):
+        assert {k: v for k, v in a.items() if k not in timing} == {
+            k: v for k, v in b.items() if k not in timing
+        }
+    rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    assert [r for r in rows if "val_ppl" in r]
+
+
 def _tempnet_state(save_dir) -> dict:
     return {k: v for k, v in _module(save_dir).items() if k.startswith("tempnet.")}
 

@@ -203,6 +203,20 @@ def test_pp2_equals_pp1(digits, tmp_path, one_process_curves, loss):
     assert last_stage["rank_state"]["sample_state"]["seen"].sum() == 48  # every pair, stage 2
 
 
+def test_loader_workers_give_the_same_run(digits, tmp_path, one_process_curves):
+    """Augmented images decoded by two loader workers (the default) give the run of the
+    training process reading them itself, evaluation included, to the last bit."""
+    _pretrain(1, _args(digits, tmp_path, **{**PP_FLAGS, "clip-loss": "tempnet"}))
+    expected, got = one_process_curves["tempnet"], _rows(tmp_path / "metrics.jsonl")
+    keys = [k for k in expected[0] if k not in ("samples_per_sec", "memory_mb")]
+    assert len(got) == len(expected) and any("val_ir@1" in r for r in got)
+    for a, b in zip(got, expected):
+        assert {k: a.get(k) for k in keys} == {k: b.get(k) for k in keys}
+        assert {k for k in a if k.startswith("val_")} == {k for k in b if k.startswith("val_")}
+        for k in (k for k in a if k.startswith("val_")):
+            assert a[k] == b[k], k
+
+
 def test_a_pp2_checkpoint_resumes_in_one_process(digits, tmp_path, one_process_curves):
     """iSogCLR: 5 iterations at PP 2, then 5 more in one process (the layout-free copy and the
     last stage's per-sample state): the one-process curve within 1e-4."""
