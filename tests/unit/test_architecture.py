@@ -127,10 +127,10 @@ tempnet-tau-max tempnet-tau-min tempnet-weight-decay tensor-model-parallel-size 
 tokenizer-model tokenizer-type train-iters untie-embeddings-and-output-weights vocab-file
 weight-decay zero-stage"""
 CLIP_FLAGS = """adam-beta1 adam-beta2 adam-eps attention-backend bf16 caption-key caption-noise
-clip-grad clip-loss context-length deepspeed-config embed-dim eval-batch-size eval-interval
-eval-iters exit-duration-in-mins exit-interval finetune fp16 global-batch-size image-augment
-image-channels image-key image-mean image-size image-std init-method-std isogclr-grad-clip
-isogclr-tau-beta isogclr-tau-lr isogclr-tau-max isogclr-tau-min keep-last
+clip-grad clip-loss context-length data-cache-path deepspeed-config embed-dim eval-batch-size
+eval-interval eval-iters exit-duration-in-mins exit-interval finetune fp16 global-batch-size
+image-augment image-channels image-key image-mean image-size image-std init-method-std
+isogclr-grad-clip isogclr-tau-beta isogclr-tau-lr isogclr-tau-max isogclr-tau-min keep-last
 label-key load log-interval lr lr-decay-iters lr-warmup-fraction lr-warmup-iters
 make-vocab-size-divisible-by merge-file metrics-file micro-batch-size min-lr model
 no-bias-dropout-fusion no-bias-gelu-fusion no-bias-swiglu-fusion no-load-optim num-workers
