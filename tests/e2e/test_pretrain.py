@@ -37,6 +37,9 @@ def _args(corpus, tmp, **flags) -> list[str]:
         "tempnet-hidden-size": 32, "tempnet-proj-size": 32, "tempnet-rho": 4, "lr": 1e-3,
         "data-cache-path": str(tmp / "cache"), "seed": 5,
         "output-stage-chunk-size": OUTPUT_CHUNK,
+        # read in the training process: two loader workers per rank (the default) triple these
+        # tiny runs' wall time on 2 cores; test_loader_workers_give_the_same_run runs them
+        "num-workers": 0,
     }  # fmt: skip
     return cli_flags(base, **flags)
 
@@ -77,9 +80,8 @@ UNFUSED = {"attention-backend": "unfused", "no-bias-gelu-fusion": True,
 
 @pytest.fixture(scope="module")
 def reference_curve(corpus, tmp_path_factory):
-    """Read in the training process; every other run has the default two loader workers."""
     tmp = tmp_path_factory.mktemp("tp1")
-    flags = {**UNFUSED, "num-workers": 0, "metrics-file": tmp / "m.jsonl"}
+    flags = {**UNFUSED, "metrics-file": tmp / "m.jsonl"}
     _pretrain(1, _args(corpus, tmp, **flags))
     return _curve(tmp / "m.jsonl")
 
@@ -100,7 +102,8 @@ def test_parallel_layouts_give_the_same_loss_curve(corpus, reference_curve, tmp_
 def test_loader_workers_give_the_same_run(corpus, reference_curve, tmp_path):
     """The reference read its samples in the training process; two loader workers (the
     default) give the same run, validation included, to the last bit."""
-    _pretrain(1, _args(corpus, tmp_path, **UNFUSED, **{"metrics-file": tmp_path / "m.jsonl"}))
+    flags = {**UNFUSED, "num-workers": None, "metrics-file": tmp_path / "m.jsonl"}  # the default
+    _pretrain(1, _args(corpus, tmp_path, **flags))
     got = _curve(tmp_path / "m.jsonl")
     timing = ("tokens_per_sec", "memory_mb")
     assert len(got) == len(reference_curve) == 10
