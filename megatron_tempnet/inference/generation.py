@@ -1,13 +1,23 @@
 """Generation with a personal temperature for every token (the paper's Table 1 / Figure 2 use).
 
-At every step the model's last-position logits ``L`` (``[b, V_pad/tp]``, never gathered) give
-tau: TempNet's prediction from ``L`` (``tau_max_eval`` may replace its upper bound, Figure 9) or
-a fixed value; the next token is chosen from ``softmax(L / tau)`` (``TokenChooser``). Each prompt
-is generated on its own (no padding), recomputing the whole sequence every step (no KV cache).
+At every step the model's logits ``L`` at each sequence's newest position (``[b, V_pad/tp]``,
+never gathered) give tau: TempNet's prediction from ``L`` (``tau_max_eval`` may replace its upper
+bound, Figure 9) or a fixed value; the next token is chosen from ``softmax(L / tau)``
+(``TokenChooser``).
+
+Prompts are generated in batches of ``micro_batch_size``, longest first. A batch is right-padded
+and run once through the model (the prefill), filling a ``KVCache`` with every layer's keys and
+values; then each step runs the one new token of every sequence, at that sequence's own
+position, against the cache: the cost of a step does not grow with the length beyond the
+attention over the cache. Causal attention makes the padding after a short prompt invisible to
+it, and the cache slots the padding filled are overwritten by that sequence's own next tokens.
+Each sequence stops at its end-of-document token or ``max_new_tokens``. ``kv_cache=False``
+recomputes the whole sequences at every step instead (any attention backend; quadratic).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,28 +40,11 @@ class GenerationError(InferenceError):
     """A prompt that cannot be generated from; names it."""
 
 
-def generate(
-    model: InferenceModel,
-    prompts: list[list[int]],
-    *,
-    max_new_tokens: int,
-    sampling: SamplingConfig,
-    fixed_tau: float | None = None,
-    eod: int | None = None,
-) -> list[Generated]:
-    """Continue every prompt (token ids) by up to ``max_new_tokens`` tokens.
-
-    tau comes from ``model.tempnet`` unless ``fixed_tau`` is given. Generation stops early at
-    ``eod`` (which is kept in the output).
-    """
-    if fixed_tau is None and model.tempnet is None:
-        raise GenerationError("the checkpoint has no TempNet: give a fixed tau or --tempnet")
-    tp = resolve_tp_group(model.tp_group)
-    padded = model.model.padded_vocab_size(tp.size)
-    chooser = TokenChooser(sampling, model.vocab_size, tp, padded // tp.size)
+def check_prompts(model: InferenceModel, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Raise ``GenerationError`` naming the first prompt that is empty or too long."""
+    if max_new_tokens < 1:
+        raise GenerationError(f"--max-new-tokens ({max_new_tokens}) must be >= 1")
     limit = model.model.max_position_embeddings
-    device = next(model.lm.parameters()).device
-    results = []
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise GenerationError(f"prompt {i}: no tokens")
@@ -60,20 +53,118 @@ def generate(
                 f"prompt {i}: {len(prompt)} tokens + --max-new-tokens {max_new_tokens} exceed the "
                 f"model's {limit} positions"
             )
-        tokens = torch.tensor([prompt], dtype=torch.long, device=device)
-        out = Generated([], [], False)
-        for _ in range(max_new_tokens):
-            logits = model.logits(tokens)[:, -1]  # [1, V_pad/tp]
-            tau = _tau(model, logits, fixed_tau)  # [1]
-            token = chooser.choose(logits, tau)  # [1], the same on every rank
-            out.token_ids.append(int(token[0]))
-            out.tau.append(float(tau[0]))
-            tokens = torch.cat([tokens, token[:, None].to(device)], dim=1)
-            if eod is not None and out.token_ids[-1] == eod:
-                out.stopped_at_eod = True
-                break
-        results.append(out)
+        bad = [t for t in prompt if not 0 <= t < model.vocab_size]
+        if bad:
+            raise GenerationError(
+                f"prompt {i}: token id {bad[0]} is outside the model's vocabulary of "
+                f"{model.vocab_size}"
+            )
+
+
+def generate(
+    model: InferenceModel,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    fixed_tau: float | None = None,
+    eod: int | None = None,
+    micro_batch_size: int = 8,
+    kv_cache: bool = True,
+    on_step: Callable[[int], None] | None = None,
+) -> list[Generated]:
+    """Continue every prompt (token ids) by up to ``max_new_tokens`` tokens.
+
+    tau comes from ``model.tempnet`` unless ``fixed_tau`` is given. A sequence stops early at
+    ``eod`` (which is kept in its output). ``on_step(n)`` is called when every sequence of a
+    batch has its ``n``-th token (benchmarks time the steps with it).
+    """
+    if fixed_tau is None and model.tempnet is None:
+        raise GenerationError("the checkpoint has no TempNet: give a fixed tau or --tempnet")
+    if micro_batch_size < 1:
+        raise GenerationError(f"--micro-batch-size ({micro_batch_size}) must be >= 1")
+    check_prompts(model, prompts, max_new_tokens)
+    tp = resolve_tp_group(model.tp_group)
+    padded = model.model.padded_vocab_size(tp.size)
+    chooser = TokenChooser(sampling, model.vocab_size, tp, padded // tp.size)
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    results: list[Generated | None] = [None] * len(prompts)
+    for first in range(0, len(order), micro_batch_size):
+        batch = order[first : first + micro_batch_size]
+        outputs = _generate_batch(
+            model,
+            [prompts[i] for i in batch],
+            batch,
+            chooser,
+            max_new_tokens=max_new_tokens,
+            fixed_tau=fixed_tau,
+            eod=eod,
+            kv_cache=kv_cache,
+            on_step=on_step,
+        )
+        for i, out in zip(batch, outputs):
+            results[i] = out
     return results
+
+
+@torch.no_grad()
+def _generate_batch(
+    model: InferenceModel,
+    prompts: list[list[int]],
+    streams: list[int],
+    chooser: TokenChooser,
+    *,
+    max_new_tokens: int,
+    fixed_tau: float | None,
+    eod: int | None,
+    kv_cache: bool,
+    on_step,
+) -> list[Generated]:
+    device = next(model.lm.parameters()).device
+    b = len(prompts)
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    width = int(lengths.max())
+    tokens = torch.zeros(b, width + max_new_tokens, dtype=torch.long)  # right-padded
+    for i, prompt in enumerate(prompts):
+        tokens[i, : len(prompt)] = torch.tensor(prompt)
+    tokens = tokens.to(device)
+    if kv_cache:
+        cache = model.new_cache(b, width + max_new_tokens)
+        cache.at(0)
+        positions = torch.arange(width, device=device)[None].expand(b, width)
+        logits = model.cached_logits(tokens[:, :width], positions, cache, lengths - 1)
+    else:
+        logits = model.last_logits(tokens[:, :width], lengths)
+    outputs = [Generated([], [], False) for _ in prompts]
+    active = [True] * b
+    for step in range(max_new_tokens):
+        tau = _tau(model, logits, fixed_tau)  # [b]
+        token = chooser.choose(logits, tau, streams)  # [b], the same on every rank
+        chosen, taus = token.tolist(), tau.tolist()
+        for i in range(b):
+            if active[i]:
+                outputs[i].token_ids.append(chosen[i])
+                outputs[i].tau.append(taus[i])
+                if eod is not None and chosen[i] == eod:
+                    outputs[i].stopped_at_eod, active[i] = True, False
+        if on_step is not None:
+            on_step(step + 1)
+        if not any(active) or step + 1 == max_new_tokens:
+            break
+        position = lengths + step  # where each sequence's new token goes
+        tokens[torch.arange(b, device=device), position.to(device)] = token.to(device)
+        if kv_cache:
+            same = bool((position == position[0]).all())
+            cache.at(int(position[0]) if same else position)
+            logits = model.cached_logits(
+                token[:, None].to(device),
+                position[:, None].to(device),
+                cache,
+                torch.zeros(b, dtype=torch.long),
+            )
+        else:
+            logits = model.last_logits(tokens[:, : width + step + 1], position + 1)
+    return outputs
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_tempnet.distributed.groups import resolve_tp_group
 from megatron_tempnet.distributed.sharding import shard
 from megatron_tempnet.inference.checkpoint_io import CheckpointReader, lm_names
 from megatron_tempnet.models.gpt.config import ModelConfig
@@ -48,6 +49,46 @@ class InferenceModel:
         """``[b, s]`` -> float32 ``[b, s, V_pad/tp]`` (this rank's vocabulary slice)."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
         return self.lm(tokens, positions).float()
+
+    @torch.no_grad()
+    def last_logits(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Right-padded ``[b, s]`` tokens of ``lengths`` -> float32 ``[b, V_pad/tp]`` logits of
+        each sequence's last token, recomputing the whole sequences (no cache). Causal
+        attention: the padding after a sequence does not change its logits."""
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        return self.logits(tokens)[rows, lengths.to(tokens.device) - 1]
+
+    def new_cache(self, batch: int, length: int):
+        """An empty ``KVCache`` for ``batch`` sequences of up to ``length`` positions."""
+        from megatron_tempnet.models.attention import KVCache
+
+        if self.model.attention_backend != "auto":
+            raise InferenceError(
+                f"--attention-backend {self.model.attention_backend}: the KV cache lives in the "
+                "fused core attention: use --attention-backend auto, or --no-kv-cache to "
+                "recompute the sequences at every step"
+            )
+        tp = resolve_tp_group(self.tp_group).size
+        groups = (self.model.num_query_groups or self.model.num_attention_heads) // tp
+        weight = next(self.lm.parameters())
+        return KVCache(
+            self.model.num_layers,
+            batch,
+            groups,
+            self.model.hidden_size // self.model.num_attention_heads,
+            length,
+            weight.dtype,
+            weight.device,
+        )
+
+    @torch.no_grad()
+    def cached_logits(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache, last: torch.Tensor
+    ) -> torch.Tensor:
+        """One pass with ``cache`` (``cache.at`` set): float32 ``[b, V_pad/tp]`` logits of
+        position ``last[i]`` of each sequence (``GPTStack.generation_forward``)."""
+        device = tokens.device
+        return self.lm.generation_forward(tokens, positions, cache, last.to(device)).float()
 
     @torch.no_grad()
     def final_hidden(self, tokens: torch.Tensor):

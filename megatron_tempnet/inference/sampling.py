@@ -12,8 +12,9 @@ Each TP rank holds ``[b, V_pad/tp]`` logits of the last position. Temperature sc
   the bits of a float32 threshold (31 SUM all-reduces of ``[b]``; exact);
 - sampling: the Gumbel-max trick, ``argmax_i (L_i / tau + g_i)`` over the kept tokens, a sample of
   ``softmax(L / tau)`` restricted to them. The noise ``g`` is drawn for the whole true vocabulary
-  from one generator on every rank and each rank takes its columns, so the sample does not
-  depend on the TP size.
+  on every rank and each rank takes its columns, so the sample does not depend on the TP size.
+  Every sequence draws from its own generator, seeded from the seed and the sequence's stream
+  number (its prompt's index): a sample does not depend on which prompts share its batch.
 """
 
 from __future__ import annotations
@@ -55,9 +56,20 @@ class TokenChooser:
         config.validate()
         self.config, self.tp, self.vocab_size = config, tp, vocab_size
         self.part = vocab_partition(partition, tp.rank, vocab_size)
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self._generators: dict[int, torch.Generator] = {}
 
-    def choose(self, logits: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    def generator(self, stream: int) -> torch.Generator:
+        """The noise generator of sequence ``stream`` (created at its first draw)."""
+        if stream not in self._generators:
+            seed = (self.config.seed * 0x9E3779B1 + stream) % (1 << 63)
+            self._generators[stream] = torch.Generator().manual_seed(seed)
+        return self._generators[stream]
+
+    def choose(
+        self, logits: torch.Tensor, tau: torch.Tensor, streams: list[int] | None = None
+    ) -> torch.Tensor:
+        """The next token of each row; row ``i`` samples with generator ``streams[i]``
+        (default: its row number)."""
         local = logits[:, : self.part.n_true].float() / tau[:, None]  # [b, n_true]
         if self.config.greedy:
             return self._argmax(local)
@@ -65,8 +77,12 @@ class TokenChooser:
             local = self._top_k(local, self.config.top_k)
         if self.config.top_p < 1.0:
             local = self._top_p(local, self.config.top_p)
-        u = torch.rand(
-            local.shape[0], self.vocab_size, generator=self.generator, dtype=torch.float64
+        streams = range(local.shape[0]) if streams is None else streams
+        u = torch.stack(
+            [
+                torch.rand(self.vocab_size, generator=self.generator(i), dtype=torch.float64)
+                for i in streams
+            ]
         )
         gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
         noise = gumbel[:, self.part.start : self.part.start + self.part.n_true].to(local.device)

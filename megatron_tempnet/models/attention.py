@@ -13,6 +13,13 @@ It plugs into megatron-core's layer specs as the ``core_attention`` submodule of
 causal for GPT/LLaMA and CLIP's text tower, no mask for the ViT, grouped-query attention without
 repeating keys and values, attention dropout from megatron-core's model-parallel RNG tracker
 (as the unfused module draws it).
+
+Generation keeps every layer's keys and values in a ``KVCache``. The cache reaches the core
+attention as the layer's ``attention_mask`` argument, which megatron-core's ``TransformerLayer``
+and ``SelfAttention`` hand down unchanged: the layers, their weights and their RoPE are the ones
+training uses, and only the core attention reads and writes the cache. (megatron-core's own
+``StaticInferenceContext`` keeps one sequence offset for the whole batch and allocates on CUDA;
+a batch of prompts of different lengths needs a position per sequence.)
 """
 
 from __future__ import annotations
@@ -70,6 +77,8 @@ class FusedCoreAttention(nn.Module):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
+        if isinstance(attention_mask, KVCache):
+            return attention_mask.attend(self, query, key, value)
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError(
                 "--attention-backend auto: attention bias and packed sequences are not supported"
@@ -104,6 +113,87 @@ class FusedCoreAttention(nn.Module):
         # queries are the last sq of sk positions (a cache of earlier keys): the causal diagonal
         # sits at the bottom right, where is_causal would put it at the top left
         return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(sk - sq), False
+
+
+class KVCache:
+    """Keys and values of every layer for a batch of sequences being generated.
+
+    ``keys``/``values``: ``[layers, b, groups/tp, length, head_dim]`` (this TP rank's key/value
+    heads). Before each forward pass, ``at(positions)`` says where the pass's tokens go: one start
+    position for the whole batch (the prompt, right-padded, from 0; or the next token of sequences
+    that are all equally long), or one position per sequence (``[b]``, one new token each). Keys
+    of a sequence past its own position are never attended to: they are padding of the prompt
+    batch, overwritten by that sequence's later tokens.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        groups: int,
+        head_dim: int,
+        length: int,
+        dtype: torch.dtype,
+        device,
+    ):
+        shape = (num_layers, batch, groups, length, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = length
+        self._start: int | None = 0
+        self._rows = torch.arange(batch, device=device)
+        self._positions: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
+        self._end = 0
+
+    def at(self, positions: int | torch.Tensor) -> None:
+        """The next pass writes from ``positions``: an int (every sequence) or ``[b]`` (one new
+        token per sequence)."""
+        if isinstance(positions, int):
+            self._start, self._positions, self._mask = positions, None, None
+            return
+        self._start = None
+        self._positions = positions.to(self._rows.device)
+        self._end = int(positions.max()) + 1
+        keys = torch.arange(self._end, device=self._rows.device)
+        self._mask = (keys[None] <= self._positions[:, None])[:, None, None]  # [b, 1, 1, end]
+
+    def attend(self, core, query, key, value) -> torch.Tensor:
+        """``FusedCoreAttention`` over the cached keys: stores this pass's ``key``/``value``
+        (``[s, b, groups, hn]``) and attends ``query`` (``[s, b, heads, hn]``) to every key up to
+        each query's position. -> ``[s, b, heads * hn]``."""
+        layer = core.layer_number - 1
+        sq, b = query.shape[:2]
+        q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
+        k = key.permute(1, 2, 0, 3)  # [b, ng, sq, hn]
+        v = value.permute(1, 2, 0, 3)
+        mask, causal = None, False
+        if self._start is None:  # one new token per sequence, each at its own position
+            self.keys[layer, self._rows, :, self._positions] = k[:, :, 0]
+            self.values[layer, self._rows, :, self._positions] = v[:, :, 0]
+            end, mask = self._end, self._mask
+        else:
+            start, end = self._start, self._start + sq
+            if end > self.length:
+                raise ValueError(f"KVCache: position {end - 1} is past its length {self.length}")
+            self.keys[layer, :, :, start:end] = k
+            self.values[layer, :, :, start:end] = v
+            if start > 0 and sq > 1:  # queries are the last sq of end positions
+                mask = torch.ones(sq, end, dtype=torch.bool, device=q.device).tril(start)
+        if self._start == 0:  # the prompt: its own keys, causal
+            keys, values, causal = k, v, sq > 1
+        else:
+            keys, values = self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        context = nn.functional.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=mask,
+            is_causal=causal,
+            scale=core.scale,
+            enable_gqa=core.heads != core.groups,
+        )  # [b, np, sq, hn]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, core.heads * core.head_dim)
 
 
 def _tp_size() -> int:

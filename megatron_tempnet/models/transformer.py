@@ -275,6 +275,20 @@ class TransformerPiece(nn.Module):
         out, _ = self.layer(hidden, attention_mask=None, rotary_pos_emb=rotary)
         return out
 
+    def rotary_at(self, position_ids: torch.Tensor, length: int) -> torch.Tensor | None:
+        """RoPE's angles at ``position_ids`` (``[b, s]``, each below ``length``):
+        ``[s, b, 1, d]``, the same numbers ``forward`` uses at those positions."""
+        if self.rotary is None:
+            return None
+        table = self.rotary(length)[:, 0, 0]  # [length, d]
+        return table[position_ids.t()].unsqueeze(2)
+
+    def generation_forward(self, hidden: torch.Tensor, rotary, cache) -> torch.Tensor:
+        """``forward`` with a ``models.attention.KVCache`` (the core attention reads and writes
+        it) and RoPE at given positions (``rotary_at``)."""
+        out, _ = self.layer(hidden, attention_mask=cache, rotary_pos_emb=rotary)
+        return out
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.recompute and self.training and torch.is_grad_enabled():
             from megatron.core import tensor_parallel

@@ -233,6 +233,28 @@ class GPTStack(nn.Module):
             x = call(x)
         return FinalHidden(x, self.output_weight)
 
+    def generation_forward(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache,
+        last: torch.Tensor,
+    ) -> torch.Tensor:
+        """One pass of generation with a ``models.attention.KVCache``: ``tokens`` and
+        ``position_ids`` ``[b, s]`` (``cache.at`` set for them) -> the logits ``[b, V_pad/tp]``
+        of position ``last[i]`` of each sequence (the output layer runs on those rows only)."""
+        x = (tokens, position_ids)
+        rotary = None
+        for call in self._calls[:-1]:
+            if isinstance(call, TransformerPiece):
+                if rotary is None:
+                    rotary = call.rotary_at(position_ids, cache.length)
+                x = call.generation_forward(x, rotary, cache)
+            else:
+                x = call(x)
+        rows = x[last, torch.arange(x.shape[1], device=x.device)]  # [b, h]
+        return self._calls[-1](rows[None])[:, 0]  # [b, V_pad/tp]
+
     @property
     def embedding(self) -> WordEmbedding:
         return self.pieces[0]
