@@ -9,14 +9,15 @@ file (``--json-key``, default ``text``) tokenised here. ``--documents concatenat
 joins the documents (with end-of-document tokens) into one stream cut into windows of
 ``--seq-length`` predictions; ``separate`` scores each document on its own. Printed and written
 to ``--output``: ``ppl = exp(mean CE)``, ``tllm_ppl = exp(mean CE of softmax(logits / tau))`` with
-tau from TempNet (or ``--fixed-tau``), and tau statistics. ``--per-token-output`` writes one JSON
-object per scored stream/document with every target's ``ce``, ``tllm_logprob`` and ``tau``.
+tau from TempNet (or ``--fixed-tau``), and tau statistics. Windows of every document are scored
+``--micro-batch-size`` at a time (right-padded; the values do not depend on the batch).
+``--per-token-output`` writes one JSON object per scored stream/document with every target's
+``ce``, ``tllm_logprob`` and ``tau``.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -27,7 +28,7 @@ from megatron_tempnet.inference.cli import (
     add_model_args,
     load_from_args,
 )
-from megatron_tempnet.inference.evaluation import score_tokens, summarise
+from megatron_tempnet.inference.evaluation import merge, score_sequences, summarise, windows
 from megatron_tempnet.inference.model import InferenceError
 from megatron_tempnet.utils.cli import run_tool
 from megatron_tempnet.utils.files import write_atomic
@@ -44,6 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--seq-length", type=int, help="predictions per window (default: the model's)")
     g.add_argument("--documents", choices=["concatenated", "separate"], default="concatenated")
     g.add_argument("--max-documents", type=int, help="only the first N documents")
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=8,
+        help="windows per forward pass (default: %(default)s)",
+    )
     g.add_argument("--output", help="write the summary JSON here too")
     g.add_argument("--per-token-output", help="JSONL of per-token scores")
     g.add_argument(
@@ -112,15 +119,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.documents == "concatenated":
         eod = [] if tokenizer.eod is None else [tokenizer.eod]
         documents = [[t for d in documents for t in (d if args.data_path else d + eod)]]
-    score = functools.partial(
-        score_tokens,
+    # every document's windows, scored --micro-batch-size at a time across documents
+    cut = [windows(d, window) for d in documents]
+    flat = score_sequences(
         model,
-        window=window,
+        [w for parts in cut for w in parts],
         fixed_tau=args.fixed_tau,
         fused_output_stage=args.fused_output_stage,
         chunk_size=args.output_stage_chunk_size or None,
+        micro_batch_size=args.micro_batch_size,
     )
-    scores = [score(d) for d in documents]
+    scores, offset = [], 0
+    for parts in cut:
+        scores.append(merge(flat[offset : offset + len(parts)]))
+        offset += len(parts)
     summary = summarise(scores)
     summary.update(
         documents=len(documents) if args.documents == "separate" else None,

@@ -10,7 +10,10 @@ standard output): ``index``, ``prompt``, ``response``, ``token_ids``, ``tokens``
 token adds), ``tau`` (the temperature each token was chosen with), ``tau_source``,
 ``stopped_at_eod``. Greedy by default; ``--sample`` samples from ``softmax(logits / tau)`` with
 optional ``--top-k``/``--top-p``. The choice is vocabulary-parallel and does not depend on the
-TP size: TP = 1 and TP = 2 give the same tokens for the same seed. The tokenizer is the one saved
+TP size: TP = 1 and TP = 2 give the same tokens for the same seed. Prompts are generated
+``--micro-batch-size`` at a time with a KV cache (``--no-kv-cache``: recompute every step); a
+prompt's tokens do not depend on the batch (sampling: each prompt has its own noise stream, from
+the seed and its index). The tokenizer is the one saved
 with the checkpoint unless tokenizer flags are given.
 """
 
@@ -45,6 +48,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234, help="sampling seed")
     g.add_argument("--ignore-eod", action="store_true", help="do not stop at end-of-document")
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=8,
+        help="prompts generated together (default: %(default)s)",
+    )
+    g.add_argument(
+        "--no-kv-cache",
+        dest="kv_cache",
+        action="store_false",
+        help="recompute the whole sequences at every step instead of caching keys and values",
+    )
     return p.parse_args(argv)
 
 
@@ -77,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.max_new_tokens < 1:
         raise GenerationError(f"--max-new-tokens ({args.max_new_tokens}) must be >= 1")
+    if args.micro_batch_size < 1:
+        raise GenerationError(f"--micro-batch-size ({args.micro_batch_size}) must be >= 1")
     if args.output and os.path.isdir(args.output):
         raise GenerationError(f"--output {args.output} is a directory")
     prompts = read_prompts(args.prompts) if args.prompts != "-" else None
@@ -99,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         sampling=sampling,
         fixed_tau=args.fixed_tau,
         eod=None if args.ignore_eod else tokenizer.eod,
+        micro_batch_size=args.micro_batch_size,
+        kv_cache=args.kv_cache,
     )
     if dist.get_rank() == 0:
         records = [

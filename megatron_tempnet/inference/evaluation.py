@@ -38,6 +38,21 @@ class TokenScores:
     """The target is the model's most likely token."""
 
 
+def windows(tokens: list[int], window: int) -> list[list[int]]:
+    """``tokens`` cut into sequences of ``window`` predictions (``window + 1`` tokens; the last
+    may be shorter); they do not overlap: a window's first token is predicted from it alone."""
+    return [tokens[start : start + window + 1] for start in range(0, len(tokens) - 1, window)]
+
+
+def merge(parts: list[TokenScores]) -> TokenScores:
+    """One ``TokenScores`` of consecutive parts (a document's windows)."""
+    merged = TokenScores()
+    for part in parts:
+        for name in ("targets", "ce", "tllm_ce", "tau", "greedy"):
+            getattr(merged, name).extend(getattr(part, name))
+    return merged
+
+
 @torch.no_grad()
 def score_tokens(
     model: InferenceModel,
@@ -47,39 +62,90 @@ def score_tokens(
     fixed_tau: float | None = None,
     fused_output_stage: bool = True,
     chunk_size: int | None = None,
+    micro_batch_size: int = 8,
 ) -> TokenScores:
-    """CE and T-LLM CE of every token after the first, in windows of ``window`` predictions.
+    """CE and T-LLM CE of every token after the first, in windows of ``window`` predictions
+    (``windows``), ``micro_batch_size`` windows per forward pass.
 
-    Windows do not overlap: the first token of a window is predicted from that window only.
     With ``fused_output_stage`` (default) the values come from the final hidden states chunk by
     chunk (``losses.output_stage``, ``chunk_size`` tokens at a time); otherwise from the whole
     logits of a window.
     """
-    scores = TokenScores()
+    parts = score_sequences(
+        model,
+        windows(tokens, window),
+        fixed_tau=fixed_tau,
+        fused_output_stage=fused_output_stage,
+        chunk_size=chunk_size,
+        micro_batch_size=micro_batch_size,
+    )
+    return merge(parts)
+
+
+@torch.no_grad()
+def score_sequences(
+    model: InferenceModel,
+    sequences: list[list[int]],
+    *,
+    fixed_tau: float | None = None,
+    fused_output_stage: bool = True,
+    chunk_size: int | None = None,
+    micro_batch_size: int = 8,
+    first: list[int] | None = None,
+) -> list[TokenScores]:
+    """Scores of every sequence's tokens from index ``first[i]`` on (default 1: all but the
+    first), each predicted from the tokens before it in its sequence.
+
+    Sequences are scored ``micro_batch_size`` at a time, longest first, right-padded: causal
+    attention keeps the padding out of every real position. With the fused output stage only
+    the scored positions go through the output layer.
+    """
+    if micro_batch_size < 1:
+        raise InferenceError(f"--micro-batch-size ({micro_batch_size}) must be >= 1")
+    first = [1] * len(sequences) if first is None else first
+    for i, (sequence, start) in enumerate(zip(sequences, first)):
+        if not 1 <= start <= len(sequence):
+            raise InferenceError(f"sequence {i}: nothing to score from token {start} of "
+                                 f"{len(sequence)}")  # fmt: skip
+    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+    results: list[TokenScores | None] = [None] * len(sequences)
     device = next(model.lm.parameters()).device
-    for start in range(0, len(tokens) - 1, window):
-        chunk = torch.tensor([tokens[start : start + window + 1]], device=device)
-        inputs, targets = chunk[:, :-1], chunk[:, 1:]  # [1, s]
-        if fused_output_stage:
-            ce, tllm, tau, best = _fused_scores(model, inputs, targets, fixed_tau, chunk_size)
-        else:
-            ce, tllm, tau, best = _unfused_scores(model, inputs, targets, fixed_tau)
-        scores.targets += targets[0].tolist()
-        scores.ce += ce.double().tolist()
-        scores.tllm_ce += tllm.double().tolist()
-        scores.tau += tau.double().tolist()
-        scores.greedy += (best == targets[0]).tolist()
-    return scores
+    for begin in range(0, len(order), micro_batch_size):
+        batch = order[begin : begin + micro_batch_size]
+        width = max(len(sequences[i]) for i in batch)
+        padded = torch.zeros(len(batch), width, dtype=torch.long)
+        scored = torch.zeros(len(batch), width - 1, dtype=torch.bool)  # [b, s]: targets kept
+        for row, i in enumerate(batch):
+            padded[row, : len(sequences[i])] = torch.tensor(sequences[i])
+            scored[row, first[i] - 1 : len(sequences[i]) - 1] = True
+        padded, scored = padded.to(device), scored.to(device)
+        inputs, targets = padded[:, :-1], padded[:, 1:]
+        score = _fused_scores if fused_output_stage else _unfused_scores
+        ce, tllm, tau, best = score(model, inputs, targets, scored, fixed_tau, chunk_size)
+        counts = scored.sum(1).tolist()
+        pieces = [t.double().tolist() for t in (ce, tllm, tau)]
+        hits = (best == targets[scored]).tolist()
+        kept = targets[scored].tolist()
+        offset = 0
+        for row, i in enumerate(batch):
+            n = counts[row]
+            part = slice(offset, offset + n)
+            results[i] = TokenScores(kept[part], pieces[0][part], pieces[1][part],
+                                     pieces[2][part], hits[part])  # fmt: skip
+            offset += n
+    return results
 
 
-def _fused_scores(model: InferenceModel, inputs, targets, fixed_tau, chunk_size):
-    """``(ce, T-LLM ce, tau, greedy id)``, each ``[s]``, from the fused output stage."""
-    final = model.final_hidden(inputs)  # [s, 1, h]
+def _fused_scores(model: InferenceModel, inputs, targets, scored, fixed_tau, chunk_size):
+    """``(ce, T-LLM ce, tau, greedy id)`` of the ``scored`` targets (``[n]`` each, in
+    sequence-major order) from the fused output stage."""
+    final = model.final_hidden(inputs)  # [s, b, h]
+    hidden = final.hidden.transpose(0, 1)[scored]  # [n, h]
     source = {"tau": float(fixed_tau)} if fixed_tau is not None else {"tempnet": model.tempnet}
     out = fused_output_stage(
-        final.hidden[:, 0],
+        hidden,
         final.weight,
-        targets[0],
+        targets[scored],
         loss="ce",
         vocab_size=model.vocab_size,
         tp_group=model.tp_group,
@@ -90,21 +156,22 @@ def _fused_scores(model: InferenceModel, inputs, targets, fixed_tau, chunk_size)
     return out.ce, out.ts_ce, out.tau, out.argmax
 
 
-def _unfused_scores(model: InferenceModel, inputs, targets, fixed_tau):
-    """``(ce, T-LLM ce, tau, greedy id)``, each ``[s]``, from the window's whole logits."""
+def _unfused_scores(model: InferenceModel, inputs, targets, scored, fixed_tau, chunk_size):
+    """``(ce, T-LLM ce, tau, greedy id)`` of the ``scored`` targets from the whole logits."""
     tp = resolve_tp_group(model.tp_group)
     padded = model.model.padded_vocab_size(tp.size)
     part = vocab_partition(padded // tp.size, tp.rank, model.vocab_size)
-    logits = model.logits(inputs)  # [1, s, V_pad/tp]
+    logits = model.logits(inputs)[scored]  # [n, V_pad/tp]
+    rows = targets[scored]
     if fixed_tau is not None:
-        tau = torch.full(targets.shape, float(fixed_tau), device=logits.device)
+        tau = torch.full(rows.shape, float(fixed_tau), device=logits.device)
     else:
         tau = model.tempnet(logits)
     common = {"vocab_size": model.vocab_size, "tp_group": model.tp_group}
-    ce = temperature_scaled_cross_entropy(logits, targets, 1.0, **common)
-    tllm = temperature_scaled_cross_entropy(logits, targets, tau, **common)
-    best = parallel_argmax(logits[0, :, : part.n_true], part.start, tp)  # [s]
-    return ce[0], tllm[0], tau[0], best
+    ce = temperature_scaled_cross_entropy(logits, rows, 1.0, **common)
+    tllm = temperature_scaled_cross_entropy(logits, rows, tau, **common)
+    best = parallel_argmax(logits[:, : part.n_true], part.start, tp)  # [n]
+    return ce, tllm, tau, best
 
 
 def summarise(all_scores: list[TokenScores]) -> dict:

@@ -40,17 +40,23 @@ class GenerationError(InferenceError):
     """A prompt that cannot be generated from; names it."""
 
 
-def check_prompts(model: InferenceModel, prompts: list[list[int]], max_new_tokens: int) -> None:
-    """Raise ``GenerationError`` naming the first prompt that is empty or too long."""
+def check_prompts(
+    model: InferenceModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    flag: str = "--max-new-tokens",
+) -> None:
+    """Raise ``GenerationError`` naming the first prompt that is empty or too long (``flag``
+    names the number of new tokens)."""
     if max_new_tokens < 1:
-        raise GenerationError(f"--max-new-tokens ({max_new_tokens}) must be >= 1")
+        raise GenerationError(f"{flag} ({max_new_tokens}) must be >= 1")
     limit = model.model.max_position_embeddings
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise GenerationError(f"prompt {i}: no tokens")
         if len(prompt) + max_new_tokens > limit:
             raise GenerationError(
-                f"prompt {i}: {len(prompt)} tokens + --max-new-tokens {max_new_tokens} exceed the "
+                f"prompt {i}: {len(prompt)} tokens + {flag} {max_new_tokens} exceed the "
                 f"model's {limit} positions"
             )
         bad = [t for t in prompt if not 0 <= t < model.vocab_size]
@@ -83,6 +89,7 @@ def generate(
         raise GenerationError("the checkpoint has no TempNet: give a fixed tau or --tempnet")
     if micro_batch_size < 1:
         raise GenerationError(f"--micro-batch-size ({micro_batch_size}) must be >= 1")
+    sampling.validate()
     check_prompts(model, prompts, max_new_tokens)
     tp = resolve_tp_group(model.tp_group)
     padded = model.model.padded_vocab_size(tp.size)

@@ -35,7 +35,10 @@ class TempNetLogitsProcessor(LogitsProcessor):
         record: keep every step's tau in ``self.taus``.
 
     The scores may have more columns than TempNet's vocabulary (a padded embedding): TempNet reads
-    the first ``vocab_size`` and every column is divided.
+    the first ``vocab_size`` and every column is divided. ``transformers`` runs its own processors
+    first: tokens they set to ``-inf`` (``min_new_tokens``, ``bad_words_ids``,
+    ``suppress_tokens``) reach TempNet as the lowest finite score of their row (an ``-inf`` would
+    make TempNet's normalised input, and every score, NaN).
     """
 
     def __init__(self, tempnet_dir: str, *, tau_max_eval: float | None = None, record: bool = True):
@@ -53,7 +56,12 @@ class TempNetLogitsProcessor(LogitsProcessor):
             )
         if self.tempnet.weight1.device != scores.device:
             self.tempnet.to(scores.device)
-        tau = self.tempnet(scores[:, :vocab].float())  # [b]
+        logits = scores[:, :vocab].float()
+        finite = torch.isfinite(logits)
+        if not bool(finite.all()):  # tokens an earlier processor forbade (min_new_tokens, ...)
+            floor = logits.masked_fill(~finite, float("inf")).min(dim=1, keepdim=True).values
+            logits = torch.where(finite, logits, floor)
+        tau = self.tempnet(logits)  # [b]
         if self.record:
             self._taus.append(tau.detach().cpu())
         return scores / tau[:, None].to(scores.dtype)

@@ -141,6 +141,13 @@ def test_logits_processor_gives_our_tau_and_drives_hf_generate(setup, tmp_path):
                            logits_processor=LogitsProcessorList([processor]))  # fmt: skip
     assert torch.equal(plain, with_tau)  # dividing by tau > 0 keeps the argmax
     assert processor.taus.shape == (1, 6)
+    # transformers' own processors run first: min_new_tokens sets the end token's score to -inf,
+    # which must not make TempNet's input (and every score) NaN
+    floor = TempNetLogitsProcessor(setup["tempnet"])
+    at_least = hf.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                           pad_token_id=0,
+                           logits_processor=LogitsProcessorList([floor]))  # fmt: skip
+    assert torch.equal(at_least, with_tau) and bool(floor.taus.isfinite().all())
     # tools/generate.py on our checkpoint: the same greedy tokens and the same taus
     (tmp_path / "p.txt").write_text("The module\n")
     tool("generate.py", "--load", setup["run"], "--prompts", tmp_path / "p.txt", "--output",
@@ -190,15 +197,28 @@ def _generate(setup, tmp_path, name: str, nproc: int, *flags) -> list[dict]:
 
 
 def test_generate_tool_is_the_same_at_tp1_and_tp2(setup, tmp_path):
-    prompts = ["The module", "import os", "Return the value of"]
+    """TP 1 generates the prompts (of different lengths) in one cached batch, TP 2 two at a time;
+    greedy tokens also equal the recompute path's (each prompt alone) and HF generate's."""
+    prompts = ["The module", "import os", "Return the value of the first argument", "x"]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    hf = load_hf(setup["llama"])
     for mode in (
         ["--seed", 1],
         ["--sample", "--seed", 5],
         ["--sample", "--top-k", 20, "--top-p", 0.8, "--seed", 5],
     ):
         one = _generate(setup, tmp_path, "one", 1, *mode)
-        two = _generate(setup, tmp_path, "two", 2, *mode)
+        two = _generate(setup, tmp_path, "two", 2, *mode, "--micro-batch-size", 2)
+        if mode == ["--seed", 1]:
+            alone = _generate(setup, tmp_path, "alone", 1, "--micro-batch-size", 1,
+                              "--no-kv-cache")  # fmt: skip
+            assert [r["token_ids"] for r in alone] == [r["token_ids"] for r in one]
+            for p, record in zip(prompts, one):
+                ids = torch.tensor([setup["tokenizer"].tokenize(p)])
+                want = hf.generate(ids, max_new_tokens=12, do_sample=False,
+                                   pad_token_id=0)[0, ids.shape[1] :].tolist()  # fmt: skip
+                # (HF stops at its end token, 0; ours ran on with --ignore-eod)
+                assert record["token_ids"][: len(want)] == want and len(want) >= 4, p
         assert [r["prompt"] for r in one] == prompts
         for a, b in zip(one, two):
             assert a["token_ids"] == b["token_ids"], mode
@@ -288,9 +308,34 @@ def test_evaluate_tllm_perplexity_matches_a_reference(setup, tmp_path):
     assert results[1]["tllm_ppl"] != pytest.approx(results[1]["ppl"], rel=1e-6)
 
 
-def test_lm_eval_adapter_scores_a_local_multiple_choice_task(setup, tmp_path):
-    """The correct choice is the model's greedy next token, so accuracy must be 1; every
-    log-likelihood equals tools/evaluate.py's on the text context + choice."""
+def _lm_eval(setup, tmp_path, name: str, nproc: int, *extra) -> tuple[dict, dict]:
+    """lm-eval's results and its logged samples by (task, doc id) for the three local tasks."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = [sys.executable, *(launcher if nproc > 1 else []), "-m",
+           "megatron_tempnet.inference.lm_eval_adapter", "run", "--model", "megatron_tempnet",
+           "--model_args", f"load={setup['run']}", "--tasks", "tiny_mc,tiny_roll,tiny_gen",
+           "--include_path", str(tmp_path), "--output_path", str(tmp_path / name),
+           "--log_samples", *extra]  # fmt: skip
+    env = dict(ENV, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
+               HF_DATASETS_CACHE=str(tmp_path / "hf-cache"))  # fmt: skip
+    r = run_command(cmd, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = tmp_path / name / "**"
+    results = json.loads(open(glob.glob(str(out / "results_*.json"), recursive=True)[0]).read())
+    samples = {}
+    for f in glob.glob(str(out / "samples_*.jsonl"), recursive=True):
+        task = os.path.basename(f).split("_", 1)[1].rsplit("_", 1)[0]
+        for line in open(f):
+            sample = json.loads(line)
+            samples[task, sample["doc_id"]] = sample
+    return results, samples
+
+
+def test_lm_eval_adapter_scores_local_tasks_the_same_at_tp1_and_tp2(setup, tmp_path):
+    """A multiple-choice task whose correct choice is the model's greedy next token (accuracy
+    must be 1; every log-likelihood equals tools/evaluate.py's on the text context + choice), a
+    rolling log-likelihood task and a generation task; TP 2 with batches of 3 gives TP 1's
+    log-likelihoods (1e-5) and texts."""
     tok = setup["tokenizer"]
     contexts = ["The module", "import os", "Return the value", "class Foo"]
     hf = load_hf(setup["llama"])
@@ -306,34 +351,142 @@ def test_lm_eval_adapter_scores_a_local_multiple_choice_task(setup, tmp_path):
         choices = [tok.detokenize([t]) for t in (ranked[0], ranked[5], ranked[20])]
         items.append({"question": context, "choices": choices, "answer": 0, "id": i})
     (tmp_path / "mc.jsonl").write_text("".join(json.dumps(x) + "\n" for x in items))
+    texts = [t[:150] for t in pydoc_documents(3)]
+    (tmp_path / "roll.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    head = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {}\ntest_split: test\n"
     (tmp_path / "tiny_mc.yaml").write_text(
-        "task: tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {tmp_path / 'mc.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        "task: tiny_mc\n" + head.format(tmp_path / "mc.jsonl") + "output_type: multiple_choice\n"
         'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
         'doc_to_target: "{{answer}}"\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n'
     )
-    cmd = [sys.executable, "-m", "megatron_tempnet.inference.lm_eval_adapter", "run",
-           "--model", "megatron_tempnet", "--model_args", f"load={setup['run']}",
-           "--tasks", "tiny_mc", "--include_path", str(tmp_path), "--output_path",
-           str(tmp_path / "out"), "--log_samples"]  # fmt: skip
-    env = dict(ENV, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
-               HF_DATASETS_CACHE=str(tmp_path / "hf-cache"))  # fmt: skip
-    r = run_command(cmd, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    results = json.loads(open(glob.glob(str(tmp_path / "out" / "**" / "results_*.json"),
-                                        recursive=True)[0]).read())  # fmt: skip
+    (tmp_path / "tiny_roll.yaml").write_text(
+        "task: tiny_roll\n" + head.format(tmp_path / "roll.jsonl")
+        + 'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+        "metric_list:\n  - metric: word_perplexity\n"
+    )  # fmt: skip
+    (tmp_path / "tiny_gen.yaml").write_text(
+        "task: tiny_gen\n" + head.format(tmp_path / "mc.jsonl") + "output_type: generate_until\n"
+        'doc_to_text: "{{question}}"\ndoc_to_target: " x"\ngeneration_kwargs:\n'
+        '  until: ["\\n\\n"]\n  max_gen_toks: 6\n  do_sample: false\n'
+        "metric_list:\n  - metric: exact_match\n"
+    )
+    results, samples = _lm_eval(setup, tmp_path, "tp1", 1)
     assert results["results"]["tiny_mc"]["acc,none"] == 1.0
-    samples = [json.loads(x) for f in glob.glob(str(tmp_path / "out" / "**" / "samples_*.jsonl"),
-                                                recursive=True) for x in open(f)]  # fmt: skip
-    texts = [it["question"] + c for it in items for c in it["choices"]]
-    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    _, samples_tp2 = _lm_eval(setup, tmp_path, "tp2", 2, "--batch_size", 3)
+    assert samples.keys() == samples_tp2.keys() and len(samples) == 4 + 3 + 4
+    for key, sample in samples.items():
+        other = samples_tp2[key]
+        if key[0] == "tiny_gen":
+            assert other["resps"] == sample["resps"] and sample["resps"][0][0]
+            continue
+        for a, b in zip(sample["resps"], other["resps"]):
+            value = a[0][0] if key[0] == "tiny_mc" else a[0]
+            other_value = b[0][0] if key[0] == "tiny_mc" else b[0]
+            assert float(other_value) == pytest.approx(float(value), abs=1e-5), key
+    pairs = [it["question"] + c for it in items for c in it["choices"]]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in pairs))
     tool("evaluate.py", "--load", setup["run"], "--jsonl", tmp_path / "pairs.jsonl",
          "--documents", "separate", "--per-token-output", tmp_path / "pt.jsonl")  # fmt: skip
     rows = [json.loads(x) for x in (tmp_path / "pt.jsonl").read_text().splitlines()]
-    for sample in samples:
+    for (task, _doc), sample in samples.items():
+        if task != "tiny_mc":
+            continue
         item = items[sample["doc"]["id"]]
         context_len = len(tok.tokenize(item["question"]))
         for c, (logprob, _) in enumerate(r[0] for r in sample["resps"]):
             row = rows[sample["doc"]["id"] * 3 + c]
             want = sum(row["tllm_logprob"][context_len - 1 :])
             assert float(logprob) == pytest.approx(want, abs=1e-5), (item, c)
+
+
+def _http(port: int, method: str, path: str = "/api", body=None, raw: bytes | None = None):
+    """(status, JSON answer) of one request to the server on localhost."""
+    import urllib.error
+    import urllib.request
+
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_server_answers_requests_at_tp2_and_rejects_bad_ones(setup, tmp_path):
+    """tools/serve.py at TP 2 (rank 0 serves, rank 1 follows): generations equal HF generate's
+    greedy tokens and TempNet's taus; bad requests get a 400 and the server keeps serving."""
+    import signal
+    import subprocess
+    import time
+
+    from transformers import LogitsProcessorList
+
+    from megatron_tempnet.inference.hf import TempNetLogitsProcessor
+    from tests.helpers.entry_points import _free_port
+
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (closed below)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         os.path.join(REPO, "tools", "serve.py"), "--load", setup["run"],
+         "--tensor-model-parallel-size", "2", "--port", str(port), "--max-prompts", "4"],
+        env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        for _ in range(240):
+            try:
+                status, info = _http(port, "GET")
+                break
+            except OSError:
+                assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+                time.sleep(0.5)
+        assert status == 200 and info["tensor_model_parallel_size"] == 2 and info["tempnet"]
+        tok, hf = setup["tokenizer"], load_hf(setup["llama"])
+        prompts = ["The module", "Return the value of the"]
+        status, out = _http(port, "PUT", body={"prompts": prompts, "tokens_to_generate": 5,
+                                               "stop_at_eod": False})  # fmt: skip
+        assert status == 200, out
+        for i, p in enumerate(prompts):
+            ids = torch.tensor([tok.tokenize(p)])
+            processor = TempNetLogitsProcessor(setup["tempnet"])
+            want = hf.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                               logits_processor=LogitsProcessorList([processor]))  # fmt: skip
+            n = want.shape[1] - ids.shape[1]  # HF stops at its end token (0); the server did not
+            assert out["token_ids"][i][:n] == want[0, ids.shape[1] :].tolist() and n >= 3
+            torch.testing.assert_close(torch.tensor(out["tau"][i][:n]), processor.taus[0],
+                                       rtol=0, atol=1e-5)  # fmt: skip
+            assert out["text"][i] == p + out["generated"][i]
+            assert out["generated"][i] == tok.detokenize(out["token_ids"][i])
+        status, capped = _http(port, "POST", body={"prompts": prompts[:1], "sample": True,
+                                                   "top_p": 0.9, "random_seed": 3,
+                                                   "tau_max_eval": 0.5,
+                                                   "tokens_to_generate": 8})  # fmt: skip
+        assert status == 200 and max(capped["tau"][0]) <= 0.5 and capped["token_ids"][0]
+        long_prompt = "word " * 80
+        for kwargs, expect in [
+            (dict(raw=b'{"prompts": ["a"'), "not valid JSON"),
+            (dict(body=["a"]), "JSON object"),
+            (dict(body={"tokens_to_generate": 3}), "missing field 'prompts'"),
+            (dict(body={"prompts": ["a"], "temprature": 1}), "unknown field 'temprature'"),
+            (dict(body={"prompts": "a"}), "prompts: expected a list"),
+            (dict(body={"prompts": [""]}), "prompts[0]: expected a non-empty string"),
+            (dict(body={"prompts": ["a"] * 5}), "give 1 to 4 prompts"),
+            (dict(body={"prompts": ["a"], "tokens_to_generate": 0}), "tokens_to_generate (0)"),
+            (dict(body={"prompts": ["a"], "top_p": 0}), "top_p (0) must be in (0, 1]"),
+            (dict(body={"prompts": ["a"], "tokens_to_generate": True}), "tokens_to_generate"),
+            (dict(body={"prompts": ["a"], "fixed_tau": -1}), "fixed_tau (-1) must be > 0"),
+            (dict(body={"prompts": ["ok", long_prompt], "tokens_to_generate": 8}), "prompts[1]: "),
+        ]:
+            status, answer = _http(port, "PUT", **kwargs)
+            assert status == 400 and expect in answer["error"], (kwargs, answer)
+        assert "positions" in _http(port, "PUT", body={"prompts": [long_prompt]})[1]["error"]
+        assert _http(port, "GET", "/nowhere")[0] == 404
+        status, again = _http(port, "PUT", body={"prompts": prompts, "tokens_to_generate": 5,
+                                                 "stop_at_eod": False})  # fmt: skip
+        assert status == 200 and again["token_ids"] == out["token_ids"]  # still serving
+    finally:  # as Ctrl-C in a terminal: every process of the job gets the signal
+        os.killpg(server.pid, signal.SIGINT)
+        server.wait(timeout=60)  # every rank stopped
+        log.close()
