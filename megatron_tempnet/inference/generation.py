@@ -114,7 +114,7 @@ def generate(
     return results
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def _generate_batch(
     model: InferenceModel,
     prompts: list[list[int]],
