@@ -90,16 +90,22 @@ class FusedCoreAttention(nn.Module):
         mask, causal = self._mask(attention_mask, sq, k.shape[2], q.device)
         p = self.dropout if self.training else 0.0
         with _dropout_rng(p, self.config.sequence_parallel):
-            context = nn.functional.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                dropout_p=p,
-                is_causal=causal,
-                scale=self.scale,
-                enable_gqa=self.heads != self.groups,
-            )  # [b, np, sq, hn]
+            return self.attend(q, k, v, mask, causal, p)
+
+    def attend(self, q, k, v, mask, causal: bool, dropout_p: float = 0.0) -> torch.Tensor:
+        """The kernel on ``q [b, np, sq, hn]``, ``k``/``v`` ``[b, ng, sk, hn]`` ->
+        ``[sq, b, np * hn]``."""
+        context = nn.functional.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=dropout_p,
+            is_causal=causal,
+            scale=self.scale,
+            enable_gqa=self.heads != self.groups,
+        )  # [b, np, sq, hn]
+        sq, b = q.shape[2], q.shape[0]
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
 
     def _mask(self, attention_mask, sq: int, sk: int, device) -> tuple[torch.Tensor | None, bool]:
@@ -184,16 +190,7 @@ class KVCache:
             keys, values, causal = k, v, sq > 1
         else:
             keys, values = self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
-        context = nn.functional.scaled_dot_product_attention(
-            q,
-            keys,
-            values,
-            attn_mask=mask,
-            is_causal=causal,
-            scale=core.scale,
-            enable_gqa=core.heads != core.groups,
-        )  # [b, np, sq, hn]
-        return context.permute(2, 0, 1, 3).reshape(sq, b, core.heads * core.head_dim)
+        return core.attend(q, keys, values, mask, causal)
 
 
 def _tp_size() -> int:
