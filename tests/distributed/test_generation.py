@@ -39,10 +39,15 @@ def build(shape: str):
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     config = ModelConfig.from_preset(
-        "tiny", vocab_size=VOCAB, max_position_embeddings=48, seq_length=48,
-        bias_dropout_fusion=False, bias_swiglu_fusion=False, bias_gelu_fusion=False,
+        "tiny",
+        vocab_size=VOCAB,
+        max_position_embeddings=48,
+        seq_length=48,
+        bias_dropout_fusion=False,
+        bias_swiglu_fusion=False,
+        bias_gelu_fusion=False,
         **SHAPES[shape],
-    )  # fmt: skip (as load_inference_model builds it)
+    )  # without the compiled fusions, as load_inference_model builds it
     lm = build_gpt_model(config, tensor_parallel_size=tp, seed=5).eval()
     group = parallel_state.get_tensor_model_parallel_group()
     torch.manual_seed(11)
