@@ -35,6 +35,7 @@ import json
 import signal
 import sys
 import threading
+import traceback
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -210,6 +211,10 @@ def handler(generator: Generator):
                            {"error": e.args[0]})  # fmt: skip
             except InferenceError as e:
                 self._send(HTTPStatus.BAD_REQUEST, {"error": str(e)})
+            except Exception as e:  # noqa: BLE001 (a failure of the server, not of the request)
+                traceback.print_exc()
+                self._send(HTTPStatus.INTERNAL_SERVER_ERROR,
+                           {"error": f"{type(e).__name__}: {e}"})  # fmt: skip
 
         do_POST = do_PUT
 
