@@ -39,10 +39,12 @@ tempnet_init() {
 # tempnet_launch FLAGS...: the entry point (ENTRY [pretrain_gpt.py], or pretrain_clip.py) with FLAGS on every task of the allocation (srun sets each
 # task's rank; the rendezvous is the first node). A signal sent to the batch shell only
 # (--signal=B:USR1@...) is passed on to the tasks. Returns pretrain_gpt.py's status; on 75 the
-# job is requeued first.
+# job is requeued first. Every task exits 75 after a preemption, not at the same instant: srun
+# does not kill the others when the first exits (75 is a non-zero status), it gives them
+# TASK_EXIT_WAIT seconds [120] (a crashed rank leaves the others waiting in a collective).
 tempnet_launch() {
     srun --nodes="$NODES" --ntasks-per-node="$NPROC_PER_NODE" \
-        --ntasks=$((NODES * NPROC_PER_NODE)) --kill-on-bad-exit=1 \
+        --ntasks=$((NODES * NPROC_PER_NODE)) --kill-on-bad-exit=0 --wait="${TASK_EXIT_WAIT:-120}" \
         "$PYTHON" "$REPO/${ENTRY:-pretrain_gpt.py}" "$@" &
     local pid=$! status
     trap 'kill -USR1 $pid 2>/dev/null' USR1

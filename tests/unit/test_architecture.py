@@ -154,7 +154,7 @@ def test_every_flag_has_help_and_keeps_its_name():
 
 # sbatch's and srun's options in the example scripts
 LAUNCHER_OPTIONS = """array cpus-per-task gpus-per-node job-name kill-on-bad-exit nodes ntasks
-ntasks-per-node open-mode output requeue signal time""".split()
+ntasks-per-node open-mode output requeue signal time wait""".split()
 
 
 def test_help_prints_and_example_scripts_use_only_known_flags():
