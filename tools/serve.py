@@ -72,7 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
     g.add_argument("--port", type=int, default=5000, help="0: any free port (printed)")
     g.add_argument("--micro-batch-size", type=int, default=8, help="prompts generated together")
-    g.add_argument("--max-tokens-to-generate", type=int, default=1024)
+    g.add_argument(
+        "--max-tokens-to-generate", type=int, default=1024, help="the most a request may ask for"
+    )
     g.add_argument("--max-prompts", type=int, default=128, help="prompts per request")
     return p.parse_args(argv)
 
