@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install -c constraints.txt torch==2.13.0
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -c constraints.txt --no-build-isolation deepspeed
-	$(BIN)/python -m pip install -c constraints.txt -e '.[test,eval]'
+	$(BIN)/python -m pip install -c constraints.txt -e '.[test,eval,wandb]'
 	touch $(STAMP)
 
 lint: $(STAMP)

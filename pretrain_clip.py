@@ -25,10 +25,11 @@ from megatron_tempnet.models.clip.arguments import (  # noqa: E402
 from megatron_tempnet.models.clip.task import CLIPTask  # noqa: E402
 from megatron_tempnet.trainer.loop import pretrain  # noqa: E402
 from megatron_tempnet.utils.cli import run_tool  # noqa: E402
+from megatron_tempnet.utils.yaml_cfg import parse_with_yaml  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = clip_config_from_args(build_clip_parser().parse_args(argv))
+    config = clip_config_from_args(parse_with_yaml(build_clip_parser(), argv))
     return pretrain(config, CLIPTask()).exit_code
 
 

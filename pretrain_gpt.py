@@ -24,10 +24,11 @@ from megatron_tempnet.models.gpt.arguments import build_parser, config_from_args
 from megatron_tempnet.models.gpt.task import GPTTask  # noqa: E402
 from megatron_tempnet.trainer.loop import pretrain  # noqa: E402
 from megatron_tempnet.utils.cli import run_tool  # noqa: E402
+from megatron_tempnet.utils.yaml_cfg import parse_with_yaml  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = config_from_args(build_parser().parse_args(argv))
+    config = config_from_args(parse_with_yaml(build_parser(), argv))
     # weights-only conversions (WEIGHTS_ONLY) load at any layout through their module files
     return pretrain(config, GPTTask(weights_reader=LayoutFreeWeights)).exit_code
 

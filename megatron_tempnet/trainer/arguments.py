@@ -12,6 +12,7 @@ from megatron_tempnet.trainer.config import (
     TrainingConfig,
 )
 from megatron_tempnet.utils.flags import add_flags, from_flags
+from megatron_tempnet.utils.yaml_cfg import add_yaml_flag
 
 _GROUPS = {
     "parallel": (ParallelConfig, "parallelism"),
@@ -24,7 +25,8 @@ _GROUPS = {
 
 def add_run_flags(parser: argparse.ArgumentParser, **families: type) -> None:
     """Parallelism, optimizer, training, checkpoint and logging flags; ``families`` replaces a
-    group's config by a family's subclass (``training=GPTTrainingConfig``)."""
+    group's config by a family's subclass (``training=GPTTrainingConfig``); and ``--yaml-cfg``."""
+    add_yaml_flag(parser)
     for name, (cls, title) in _GROUPS.items():
         add_flags(parser, families.get(name, cls), title)
 

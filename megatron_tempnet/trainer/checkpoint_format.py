@@ -2,6 +2,7 @@
 
     SAVE/latest                      the tag of the newest complete checkpoint (written last)
     SAVE/config.json                 the run's resolved config
+    SAVE/config.yaml                 the same as flag values: a valid --yaml-cfg
     SAVE/iter_0000100/               one checkpoint (``tag_for(100)``): DeepSpeed's files, e.g.
         mp_rank_00_model_states.pt       the module's state per model-parallel rank (PP = 1), or
         layer_03-model_00-model_states.pt  one file per pipeline piece and TP rank (PP > 1)
@@ -24,6 +25,7 @@ from megatron_tempnet.utils.files import write_atomic
 
 LATEST = "latest"
 CONFIG = "config.json"
+CONFIG_YAML = "config.yaml"
 FROZEN_LM_EXCLUDED = "FROZEN_LM_EXCLUDED"
 """Marks a checkpoint without its frozen parameters (re-read from --pretrained-checkpoint)."""
 WEIGHTS_ONLY = "WEIGHTS_ONLY"

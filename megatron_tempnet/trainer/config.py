@@ -11,12 +11,14 @@ own checks).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 from dataclasses import dataclass, field
 
 import torch
 
 from megatron_tempnet.utils.cli import UserError
+from megatron_tempnet.utils.flags import option
 
 DEFAULT_WARMUP_FRACTION = 0.01
 """Warmup as a fraction of the decay when neither warmup flag is given (the paper's Table 5)."""
@@ -126,7 +128,17 @@ class LoggingConfig:
     tensorboard_dir: str | None = None
     """Write TensorBoard scalars and tau histograms here."""
     metrics_file: str | None = None
-    """Append one JSON object per logged iteration (and per validation) to this file."""
+    """Append one JSON object per logged iteration (and per validation) to this file; a resumed
+    run first drops the rows past the iteration it resumes from."""
+    wandb_project: str | None = None
+    """Log to this Weights & Biases project too (what TensorBoard gets, and the resolved config);
+    needs the ``wandb`` package. WANDB_MODE=offline keeps the run in --wandb-save-dir."""
+    wandb_exp_name: str | None = None
+    """The W&B run's name (default: W&B's generated one)."""
+    wandb_save_dir: str | None = None
+    """Where W&B writes its run directory (default: W&B's, ./wandb)."""
+    wandb_entity: str | None = None
+    """The W&B team or user the project belongs to (default: the logged-in user's)."""
 
 
 @dataclass(kw_only=True)
@@ -138,6 +150,8 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    preset: str | None = option(None, name="--model")
+    """The ``--model`` preset the architecture started from (the model's flags override it)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -186,6 +200,7 @@ def validate_run(config: RunConfig, world_size: int) -> None:
         raise ConfigError(f"--train-iters ({t.train_iters}) must be >= 1")
     _validate_schedule(o, t)
     _validate_checkpointing(config.checkpoint)
+    _validate_logging(config.logging)
 
 
 def _validate_schedule(o: OptimizerConfig, t: TrainingConfig) -> None:
@@ -215,4 +230,22 @@ def _validate_checkpointing(ckpt: CheckpointConfig) -> None:
         raise ConfigError(
             f"--pretrained-checkpoint {ckpt.pretrained_checkpoint} is used only while --load "
             "holds no checkpoint: give --load (usually the same directory as --save)"
+        )
+
+
+def _validate_logging(log: LoggingConfig) -> None:
+    if log.log_interval < 1:
+        raise ConfigError(f"--log-interval ({log.log_interval}) must be >= 1")
+    wandb_only = {
+        "--wandb-exp-name": log.wandb_exp_name,
+        "--wandb-save-dir": log.wandb_save_dir,
+        "--wandb-entity": log.wandb_entity,
+    }
+    given = [flag for flag, value in wandb_only.items() if value]
+    if given and not log.wandb_project:
+        raise ConfigError(f"{', '.join(given)} without --wandb-project: give the W&B project")
+    if log.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            f"--wandb-project {log.wandb_project} needs the wandb package: "
+            "pip install 'megatron-tempnet[wandb]' (or pip install wandb)"
         )

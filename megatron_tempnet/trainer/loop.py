@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron_tempnet.data.loader import DataState, ResumableLoader, dataset_fingerprint
 from megatron_tempnet.distributed.launch import launch_environment
 from megatron_tempnet.trainer.checkpoint import load_checkpoint, save_checkpoint
-from megatron_tempnet.trainer.checkpoint_format import CONFIG, latest_tag
+from megatron_tempnet.trainer.checkpoint_format import CONFIG, CONFIG_YAML, latest_tag
 from megatron_tempnet.trainer.config import RunConfig
 from megatron_tempnet.trainer.engine import build_engine, init_process_groups, set_learning_rates
 from megatron_tempnet.trainer.metrics import RunLogger, memory_mb
@@ -24,6 +24,7 @@ from megatron_tempnet.trainer.preemption import EXIT_REQUEUE, StopRequests
 from megatron_tempnet.trainer.step import check_finite, compute_device
 from megatron_tempnet.trainer.task import Task, TaskData, TrainModel
 from megatron_tempnet.utils.logging import log_rank0
+from megatron_tempnet.utils.yaml_cfg import config_yaml
 
 
 @dataclass
@@ -65,7 +66,7 @@ def pretrain(config: RunConfig, task: Task) -> RunResult:
         num_workers=t.num_workers,
     )
     gas = config.gradient_accumulation_steps(world_size)
-    run_log = RunLogger(config.logging)
+    run_log = RunLogger(config.logging, start, json.loads(config.to_json()))
     step = task.build_step(engine, optimizer, config, data)
     if ckpt.save:  # without somewhere to save, a signal keeps its usual meaning
         requests.install()
@@ -186,8 +187,12 @@ def _save(engine, config: RunConfig, iteration: int, loader, data: TaskData, mod
 
 
 def _save_config(config: RunConfig) -> None:
-    """The resolved config beside the checkpoints (and inside each of them)."""
+    """The resolved config beside the checkpoints (and inside each of them), also as flag values
+    that ``--yaml-cfg`` reads back."""
     if config.checkpoint.save and dist.get_rank() == 0:
         os.makedirs(config.checkpoint.save, exist_ok=True)
         with open(os.path.join(config.checkpoint.save, CONFIG), "w") as f:
             f.write(config.to_json())
+        header = "The resolved flags of this run: rerun it with --yaml-cfg FILE (flags win)."
+        with open(os.path.join(config.checkpoint.save, CONFIG_YAML), "w") as f:
+            f.write(config_yaml(config, header))

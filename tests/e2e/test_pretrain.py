@@ -14,6 +14,7 @@ import torch
 
 from tests.helpers.corpus import blend_corpus, pydoc_documents
 from tests.helpers.entry_points import cli_flags, run_command, run_entry_point, run_program
+from tests.helpers.wandb_run import read_offline_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -44,8 +45,10 @@ def _args(corpus, tmp, **flags) -> list[str]:
     return cli_flags(base, **flags)
 
 
-def _pretrain(nproc: int, args: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    return run_entry_point("pretrain_gpt.py", nproc, args, check)
+def _pretrain(
+    nproc: int, args: list[str], check: bool = True, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    return run_entry_point("pretrain_gpt.py", nproc, args, check, env)
 
 
 def _curve(path) -> list[dict]:
@@ -99,11 +102,16 @@ def test_parallel_layouts_give_the_same_loss_curve(corpus, reference_curve, tmp_
         assert got["consumed_samples"] == ref["consumed_samples"]
 
 
-def test_loader_workers_give_the_same_run(corpus, reference_curve, tmp_path):
+def test_loader_workers_wandb_and_a_yaml_cfg_give_the_same_run(corpus, reference_curve, tmp_path):
     """The reference read its samples in the training process; two loader workers (the
-    default) give the same run, validation included, to the last bit."""
-    flags = {**UNFUSED, "num-workers": None, "metrics-file": tmp_path / "m.jsonl"}  # the default
-    _pretrain(1, _args(corpus, tmp_path, **flags))
+    default) give the same run, validation included, to the last bit. The run is also logged to
+    Weights & Biases (offline) with what the metrics file gets, and the config.yaml it saves,
+    given back as --yaml-cfg (with a shorter --train-iters: the command line wins), reproduces
+    its first losses exactly."""
+    flags = {**UNFUSED, "num-workers": None, "metrics-file": tmp_path / "m.jsonl",  # the default
+             "save": tmp_path / "ckpt", "wandb-project": "qs", "wandb-exp-name": "workers",
+             "wandb-save-dir": tmp_path / "wb"}  # fmt: skip
+    _pretrain(1, _args(corpus, tmp_path, **flags), env={**os.environ, "WANDB_MODE": "offline"})
     got = _curve(tmp_path / "m.jsonl")
     timing = ("tokens_per_sec", "memory_mb")
     assert len(got) == len(reference_curve) == 10
@@ -112,7 +120,30 @@ def test_loader_workers_give_the_same_run(corpus, reference_curve, tmp_path):
             k: v for k, v in b.items() if k not in timing
         }
     rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
-    assert [r for r in rows if "val_ppl" in r]
+    val = [r for r in rows if "val_ppl" in r]
+    assert val
+
+    run = read_offline_run(str(tmp_path / "wb"))
+    assert (run["name"], run["project"]) == ("workers", "qs")
+    assert run["config"]["training"]["train_iters"] == 10 and run["config"]["preset"] == "tiny"
+    logged = [r for r in run["history"] if "loss/loss" in r]
+    assert [r["_step"] for r in logged] == list(range(1, 11))
+    for row, ref in zip(logged, got):
+        assert row["loss/loss"] == ref["loss"] and row["tau/std"] == ref["tau_std"]
+        assert row["train/lr"] == ref["lr"] and row["train/tempnet_lr"] == ref["tempnet_lr"]
+        assert row["train/grad_norm"] == ref["grad_norm"] and row["train/memory_mb"] > 0
+        assert row["train/tokens_per_sec"] > 0
+    validated = [r for r in run["history"] if "validation/ppl" in r]
+    assert [r["validation/ppl"] for r in validated] == [r["val_ppl"] for r in val]
+    assert len(run["histograms"]["tau/histogram"]) == 10
+
+    again = tmp_path / "again.jsonl"
+    _pretrain(1, [
+        "--yaml-cfg", str(tmp_path / "ckpt" / "config.yaml"), "--train-iters", "3",
+        "--metrics-file", str(again), "--save", str(tmp_path / "again"),
+        "--wandb-save-dir", str(tmp_path / "wb2")],
+        env={**os.environ, "WANDB_MODE": "offline"})  # fmt: skip
+    assert [r["loss"] for r in _curve(again)] == [r["loss"] for r in got[:3]]
 
 
 def _tempnet_state(save_dir) -> dict:
@@ -120,22 +151,34 @@ def _tempnet_state(save_dir) -> dict:
 
 
 def test_resume_is_exact_and_survives_a_crashed_save(corpus, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     common = {"tensor-model-parallel-size": 2, "zero-stage": 1, "train-iters": 20,
               "eval-interval": 0}  # fmt: skip
     straight = tmp_path / "straight"
     _pretrain(4, _args(corpus, tmp_path, **common, save=straight,
                        **{"metrics-file": straight / "m.jsonl"}))  # fmt: skip
     split = tmp_path / "split"
-    first = {**common, "save": split, "exit-interval": 10, "metrics-file": split / "m.jsonl"}
+    logs = {"metrics-file": split / "m.jsonl", "tensorboard-dir": split / "tb"}
+    first = {**common, "save": split, "save-interval": 5, "exit-interval": 10, **logs}
     _pretrain(4, _args(corpus, tmp_path, **first))
     assert open(split / "latest").read() == "iter_0000010"
-    # a save that died half way: a directory for iteration 15, but `latest` still says 10
+    # the run died after iteration 10 with its newest complete checkpoint at 5: the metrics file
+    # and TensorBoard hold iterations 6-10 (and the file a line cut short), which the resumed run
+    # writes again
+    (split / "latest").write_text("iter_0000005")
+    with open(split / "m.jsonl", "a") as f:
+        f.write('{"iteration": 11, "lo')
+    # a save that died half way: a directory for iteration 15, but `latest` still says 5
     os.makedirs(split / "iter_0000015")
     (split / "iter_0000015" / "mp_rank_00_model_states.pt").write_bytes(b"truncated")
-    second = {**common, "save": split, "load": split, "metrics-file": split / "m.jsonl"}
+    second = {**common, "save": split, "load": split, **logs}
     _pretrain(4, _args(corpus, tmp_path, **second))
     resumed, reference = _curve(split / "m.jsonl"), _curve(straight / "m.jsonl")
-    assert [r["iteration"] for r in resumed] == list(range(1, 21))
+    assert [r["iteration"] for r in resumed] == list(range(1, 21))  # no iteration twice
+    events = EventAccumulator(str(split / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss/loss")] == list(range(1, 21))
     for got, ref in zip(resumed, reference):
         assert got["loss"] == ref["loss"] and got["tau_mean"] == ref["tau_mean"], got["iteration"]
     a, b = _tempnet_state(split), _tempnet_state(straight)
@@ -218,6 +261,7 @@ def test_every_loss_and_tau_source_trains(corpus, tmp_path, loss, source, extra)
         ({"pretrained-checkpoint": "p"}, "--pretrained-checkpoint p is used only while --load"),
         ({"pretrained-checkpoint": "p", "load": "r", "finetune": True},
          "--pretrained-checkpoint and --finetune both choose"),
+        ({"yaml-cfg": "missing.yaml"}, "--yaml-cfg missing.yaml: No such file or directory"),
     ],
 )  # fmt: skip
 def test_invalid_flags_fail_before_building_anything(corpus, tmp_path, flags, message):

@@ -15,6 +15,7 @@ import torch
 
 from megatron_tempnet.models.clip.data.digits import write_digits_dataset
 from tests.helpers.entry_points import cli_flags, run_command, run_entry_point
+from tests.helpers.wandb_run import read_offline_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOSSES = ("clip", "sogclr", "isogclr", "tempnet", "tau")
@@ -56,8 +57,10 @@ def _args(digits, tmp, **flags) -> list[str]:
     return cli_flags(base, **flags)
 
 
-def _pretrain(nproc: int, args: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    return run_entry_point("pretrain_clip.py", nproc, args, check)
+def _pretrain(
+    nproc: int, args: list[str], check: bool = True, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    return run_entry_point("pretrain_clip.py", nproc, args, check, env)
 
 
 def _rows(path) -> list[dict]:
@@ -205,9 +208,21 @@ def test_pp2_equals_pp1(digits, tmp_path, one_process_curves, loss):
 
 def test_loader_workers_give_the_same_run(digits, tmp_path, one_process_curves):
     """Augmented images decoded by two loader workers (the default) give the run of the
-    training process reading them itself, evaluation included, to the last bit."""
-    _pretrain(1, _args(digits, tmp_path, **{**PP_FLAGS, "clip-loss": "tempnet"}))
+    training process reading them itself, evaluation included, to the last bit; Weights &
+    Biases (offline) records the same numbers."""
+    wandb = {"wandb-project": "clip", "wandb-save-dir": tmp_path / "wb"}
+    _pretrain(1, _args(digits, tmp_path, **{**PP_FLAGS, "clip-loss": "tempnet", **wandb}),
+              env={**os.environ, "WANDB_MODE": "offline"})  # fmt: skip
     expected, got = one_process_curves["tempnet"], _rows(tmp_path / "metrics.jsonl")
+    run = read_offline_run(str(tmp_path / "wb"))
+    assert run["project"] == "clip" and run["config"]["loss"]["clip_loss"] == "tempnet"
+    logged = [r for r in run["history"] if "loss/loss" in r]
+    assert [r["loss/loss"] for r in logged] == [r["loss"] for r in got if "loss" in r]
+    assert [r["tau/mean"] for r in logged] == [r["tau_mean"] for r in got if "loss" in r]
+    validated = [r for r in run["history"] if "validation/ir@1" in r]
+    assert [r["validation/ir@1"] for r in validated] == [
+        r["val_ir@1"] for r in got if "val_ir@1" in r
+    ]
     keys = [k for k in expected[0] if k not in ("samples_per_sec", "memory_mb")]
     assert len(got) == len(expected) and any("val_ir@1" in r for r in got)
     for a, b in zip(got, expected):

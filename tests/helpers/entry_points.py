@@ -195,11 +195,11 @@ def _read(path: str) -> str:
 
 
 def run_entry_point(
-    script: str, nproc: int, args: list[str], check: bool = True
+    script: str, nproc: int, args: list[str], check: bool = True, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """``script`` (``pretrain_gpt.py``, ``pretrain_clip.py``) on ``nproc`` CPU ranks (gloo);
-    ``nproc=0``: a plain process (what a user sees directly)."""
-    r = run_program(script, args, nproc)
+    ``nproc=0``: a plain process (what a user sees directly); ``env``: its environment."""
+    r = run_program(script, args, nproc, env=env)
     if check:
         assert r.returncode == 0, r.stderr[-4000:]
     return r

@@ -125,7 +125,7 @@ recompute-activations reset-attention-mask reset-position-ids rotary-base save s
 seq-length split swiglu tau-source tempnet-hidden-size tempnet-lr tempnet-proj-size tempnet-rho
 tempnet-tau-max tempnet-tau-min tempnet-weight-decay tensor-model-parallel-size tensorboard-dir
 tokenizer-model tokenizer-type train-iters untie-embeddings-and-output-weights vocab-file
-weight-decay zero-stage"""
+wandb-entity wandb-exp-name wandb-project wandb-save-dir weight-decay yaml-cfg zero-stage"""
 CLIP_FLAGS = """adam-beta1 adam-beta2 adam-eps attention-backend bf16 caption-key caption-noise
 clip-grad clip-loss context-length data-cache-path deepspeed-config embed-dim eval-batch-size
 eval-interval eval-iters exit-duration-in-mins exit-interval finetune fp16 global-batch-size
@@ -139,8 +139,8 @@ recompute-activations save save-interval seed
 skip-bad-samples sogclr-gamma tau-init tempnet-lr tempnet-proj-size tempnet-rho tempnet-tau-max
 tempnet-tau-min tempnet-weight-decay tensor-model-parallel-size tensorboard-dir text-heads
 text-hidden-size text-layers tokenizer-model tokenizer-type train-data train-iters valid-data
-vision-heads vision-hidden-size vision-layers vocab-file weight-decay zero-stage
-zeroshot-templates"""
+vision-heads vision-hidden-size vision-layers vocab-file wandb-entity wandb-exp-name
+wandb-project wandb-save-dir weight-decay yaml-cfg zero-stage zeroshot-templates"""
 
 
 def test_every_flag_has_help_and_keeps_its_name():

@@ -38,5 +38,6 @@ def clip_config_from_args(args: argparse.Namespace) -> CLIPRunConfig:
         data=from_flags(ImageTextDataConfig, args, seed=run["training"].seed),
         tokenizer=from_flags(TokenizerConfig, args),
         evaluation=from_flags(CLIPEvalConfig, args),
+        preset=args.model,
         **run,
     )

@@ -44,5 +44,6 @@ def config_from_args(args: argparse.Namespace) -> GPTRunConfig:
         loss=from_flags(LossConfig, args),
         data=data,
         tokenizer=from_flags(TokenizerConfig, args),
+        preset=args.model,
         **run,
     )
