@@ -183,12 +183,25 @@ def _tau(model: InferenceModel, logits: torch.Tensor, fixed_tau: float | None) -
 
 def token_texts(detokenize, token_ids: list[int], prompt: list[int] | None = None) -> list[str]:
     """The text each generated token adds (decoding the growing sequence, so that pieces that
-    depend on their neighbours, such as SentencePiece's leading spaces, come out right)."""
+    depend on their neighbours, such as SentencePiece's leading spaces, come out right).
+
+    A byte-level BPE splits a multi-byte character over several tokens; decoded on its own, a
+    part is the replacement character U+FFFD. Such a character belongs to the token that
+    completes it: the tokens before it add nothing. The texts joined are the decoded sequence;
+    a character the last token leaves incomplete stays U+FFFD, as in the decoded text.
+    """
     context = list(prompt or [])
-    texts, before = [], detokenize(context) if context else ""
-    for token in token_ids:
+    texts, done = [], _complete(detokenize(context)) if context else ""
+    for i, token in enumerate(token_ids):
         context.append(token)
         now = detokenize(context)
-        texts.append(now[len(before) :] if now.startswith(before) else detokenize([token]))
-        before = now
+        if i < len(token_ids) - 1:
+            now = _complete(now)
+        texts.append(now[len(done) :] if now.startswith(done) else detokenize([token]))
+        done = now
     return texts
+
+
+def _complete(text: str) -> str:
+    """``text`` without the replacement characters of a character still being decoded."""
+    return text.rstrip("\ufffd")

@@ -1,0 +1,27 @@
+"""The per-token text of generated tokens (tools/generate.py, tools/serve.py)."""
+
+from __future__ import annotations
+
+from megatron_tempnet.data.tokenizers import build_tokenizer
+from megatron_tempnet.inference.generation import token_texts
+from tests.helpers.corpus import train_gpt2_bpe
+
+
+def test_a_character_split_by_byte_level_bpe_belongs_to_the_token_completing_it(tmp_path):
+    vocab, merges = train_gpt2_bpe(str(tmp_path), vocab_size=300)  # trained on ASCII text
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
+    prompt, text = "The café", " sert 日本 thé 🙂."
+    prompt_ids, ids = tok.tokenize(prompt), tok.tokenize(text)
+    assert len(ids) > 20  # é (2 bytes), 日 and 本 (3) and 🙂 (4) each span several tokens
+    texts = token_texts(tok.detokenize, ids, prompt_ids)
+    assert len(texts) == len(ids) and "".join(texts) == text
+    assert not any("\ufffd" in t for t in texts)
+    # each character is the text of the token holding its last byte
+    ends = {}
+    for i in range(len(ids)):
+        ends.setdefault(tok.detokenize(ids[: i + 1]).rstrip("\ufffd"), i)
+    assert texts[ends[" sert 日"]].endswith("日") and texts[ends[" sert 日"] - 1] == ""
+    # generation stopped inside a character: the last token shows what the decoded text shows
+    cut = token_texts(tok.detokenize, ids[:-3], prompt_ids)  # 🙂 without its last bytes
+    assert "".join(cut) == tok.detokenize(prompt_ids + ids[:-3])[len(prompt) :]
+    assert cut[-1].endswith("\ufffd") and "\ufffd" not in "".join(cut[:-1])
