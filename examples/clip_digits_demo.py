@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -109,7 +110,7 @@ def run_loss(loss: str, paths: dict, tokenizer: str, args, out: str) -> dict:
         "--eval-interval",
         "0",
         "--log-interval",
-        "50",
+        "10",
         "--metrics-file",
         metrics,
         "--seed",
@@ -123,13 +124,49 @@ def run_loss(loss: str, paths: dict, tokenizer: str, args, out: str) -> dict:
     if args.ood:
         cmd += ["--ood-data", paths["test_5-9"]]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    with open(os.path.join(out, f"{loss}.log"), "w") as log:
-        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
-    with open(metrics) as f:
-        rows = [json.loads(line) for line in f]
+    log_path = os.path.join(out, f"{loss}.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        rows = follow(proc, metrics, f"--clip-loss {loss}", args.train_iters)
+    if proc.returncode:
+        with open(log_path) as f:
+            tail = "".join(f.readlines()[-30:])
+        raise DemoError(
+            f"{tail}\n--clip-loss {loss} failed (status {proc.returncode}); log: {log_path}"
+        )
     final = [r for r in rows if "val_ir@1" in r][-1]
     trained = [r for r in rows if "loss" in r][-1]
     return {**final, "train_tau_mean": trained["tau_mean"]}
+
+
+class DemoError(Exception):
+    """A training run of the demo failed; the message holds the end of its log."""
+
+
+def follow(proc: subprocess.Popen, metrics: str, desc: str, iterations: int) -> list[dict]:
+    """Wait for a training process, showing its progress from the metrics file it appends to;
+    returns the file's rows."""
+    from megatron_tempnet.utils.progress import progress
+
+    rows: list[dict] = []
+    with progress(desc, iterations, unit="it") as bar:
+        done = 0
+        while True:
+            finished = proc.poll() is not None
+            rows = _rows(metrics)
+            latest = max((r["iteration"] for r in rows if "loss" in r), default=0)
+            bar.update(latest - done)
+            done = latest
+            if finished:
+                return rows
+            time.sleep(1.0)
+
+
+def _rows(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
 
 
 def table(results: dict, ood: bool) -> str:
@@ -164,6 +201,7 @@ def main() -> int:
     p.add_argument("--ood", action="store_true", help="train on digits 0-4, OOD = 5-9")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.ood:
         args.losses = [loss for loss in args.losses if loss in ("tau", "tempnet")] or ["tau"]
 
@@ -175,7 +213,11 @@ def main() -> int:
     results = {}
     for loss in args.losses:
         tic = time.time()
-        results[loss] = run_loss(loss, paths, tokenizer, args, args.out)
+        try:
+            results[loss] = run_loss(loss, paths, tokenizer, args, args.out)
+        except DemoError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         print(f"{loss}: {time.time() - tic:.0f} s", flush=True)
     text = table(results, args.ood)
     setting = (

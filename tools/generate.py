@@ -34,6 +34,7 @@ from megatron_tempnet.inference.generation import GenerationError, generate, tok
 from megatron_tempnet.inference.sampling import SamplingConfig
 from megatron_tempnet.utils.cli import run_tool
 from megatron_tempnet.utils.files import write_atomic
+from megatron_tempnet.utils.progress import progress
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,16 +110,19 @@ def main(argv: list[str] | None = None) -> int:
     sampling = SamplingConfig(
         greedy=not args.sample, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )
-    outputs = generate(
-        model,
-        ids,
-        max_new_tokens=args.max_new_tokens,
-        sampling=sampling,
-        fixed_tau=args.fixed_tau,
-        eod=None if args.ignore_eod else tokenizer.eod,
-        micro_batch_size=args.micro_batch_size,
-        kv_cache=args.kv_cache,
-    )
+    budget = len(ids) * args.max_new_tokens
+    with progress("generating", budget, unit="tok", enabled=dist.get_rank() == 0) as bar:
+        outputs = generate(
+            model,
+            ids,
+            max_new_tokens=args.max_new_tokens,
+            sampling=sampling,
+            fixed_tau=args.fixed_tau,
+            eod=None if args.ignore_eod else tokenizer.eod,
+            micro_batch_size=args.micro_batch_size,
+            kv_cache=args.kv_cache,
+            on_tokens=bar.update,
+        )
     if dist.get_rank() == 0:
         records = [
             _record(i, p, t, out, tokenizer, args)

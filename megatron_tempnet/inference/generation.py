@@ -78,12 +78,15 @@ def generate(
     micro_batch_size: int = 8,
     kv_cache: bool = True,
     on_step: Callable[[int], None] | None = None,
+    on_tokens: Callable[[int], None] | None = None,
 ) -> list[Generated]:
     """Continue every prompt (token ids) by up to ``max_new_tokens`` tokens.
 
     tau comes from ``model.tempnet`` unless ``fixed_tau`` is given. A sequence stops early at
     ``eod`` (which is kept in its output). ``on_step(n)`` is called when every sequence of a
-    batch has its ``n``-th token (benchmarks time the steps with it).
+    batch has its ``n``-th token (benchmarks time the steps with it). ``on_tokens(n)`` reports
+    progress through the ``len(prompts) * max_new_tokens`` token budget: ``n`` more positions
+    are generated, or left out because their sequences stopped.
     """
     if fixed_tau is None and model.tempnet is None:
         raise GenerationError("the checkpoint has no TempNet: give a fixed tau or --tempnet")
@@ -108,6 +111,7 @@ def generate(
             eod=eod,
             kv_cache=kv_cache,
             on_step=on_step,
+            on_tokens=on_tokens or (lambda n: None),
         )
         for i, out in zip(batch, outputs):
             results[i] = out
@@ -126,6 +130,7 @@ def _generate_batch(
     eod: int | None,
     kv_cache: bool,
     on_step,
+    on_tokens,
 ) -> list[Generated]:
     device = next(model.lm.parameters()).device
     b = len(prompts)
@@ -156,7 +161,9 @@ def _generate_batch(
                     outputs[i].stopped_at_eod, active[i] = True, False
         if on_step is not None:
             on_step(step + 1)
+        on_tokens(b)
         if not any(active) or step + 1 == max_new_tokens:
+            on_tokens(b * (max_new_tokens - step - 1))  # the budget of the stopped sequences
             break
         position = lengths + step  # where each sequence's new token goes
         tokens[torch.arange(b, device=device), position.to(device)] = token.to(device)
@@ -185,23 +192,31 @@ def token_texts(detokenize, token_ids: list[int], prompt: list[int] | None = Non
     """The text each generated token adds (decoding the growing sequence, so that pieces that
     depend on their neighbours, such as SentencePiece's leading spaces, come out right).
 
-    A byte-level BPE splits a multi-byte character over several tokens; decoded on its own, a
-    part is the replacement character U+FFFD. Such a character belongs to the token that
-    completes it: the tokens before it add nothing. The texts joined are the decoded sequence;
-    a character the last token leaves incomplete stays U+FFFD, as in the decoded text.
+    A byte-level BPE splits a multi-byte character over several tokens; decoded on their own,
+    the first parts are the replacement character U+FFFD. Such a character belongs to the token
+    that completes it: the tokens before it add nothing. Bytes that no later token completes
+    (invalid UTF-8, or generation stopped inside a character) stay U+FFFD where they are, as in
+    the decoded text. The texts joined are the decoded sequence.
     """
     context = list(prompt or [])
-    texts, done = [], _complete(detokenize(context)) if context else ""
-    for i, token in enumerate(token_ids):
-        context.append(token)
-        now = detokenize(context)
-        if i < len(token_ids) - 1:
-            now = _complete(now)
+    decoded = [detokenize(context + token_ids[:i]) for i in range(len(token_ids) + 1)]
+    texts, done = [], _settled(decoded, 0) if context else ""
+    for i, token in enumerate(token_ids, 1):
+        now = _settled(decoded, i)
         texts.append(now[len(done) :] if now.startswith(done) else detokenize([token]))
         done = now
     return texts
 
 
-def _complete(text: str) -> str:
-    """``text`` without the replacement characters of a character still being decoded."""
-    return text.rstrip("\ufffd")
+_UTF8_PARTS = 3  # a character being decoded waits for at most 3 more bytes (tokens)
+
+
+def _settled(decoded: list[str], i: int) -> str:
+    """``decoded[i]`` without its trailing U+FFFD when one of the next tokens completes them
+    into a character."""
+    text = decoded[i]
+    head = text.rstrip("\ufffd")
+    for later in decoded[i + 1 : i + 1 + _UTF8_PARTS] if head != text else ():
+        if later.startswith(head) and later[len(head) : len(head) + 1] not in ("", "\ufffd"):
+            return head
+    return text

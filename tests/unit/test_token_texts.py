@@ -21,7 +21,13 @@ def test_a_character_split_by_byte_level_bpe_belongs_to_the_token_completing_it(
     for i in range(len(ids)):
         ends.setdefault(tok.detokenize(ids[: i + 1]).rstrip("\ufffd"), i)
     assert texts[ends[" sert 日"]].endswith("日") and texts[ends[" sert 日"] - 1] == ""
-    # generation stopped inside a character: the last token shows what the decoded text shows
-    cut = token_texts(tok.detokenize, ids[:-3], prompt_ids)  # 🙂 without its last bytes
+    # bytes that never make a character (a continuation byte alone): U+FFFD at each token
+    lone = tok.tokenize("é")[-1]  # the second byte of é
+    assert tok.detokenize([lone]) == "\ufffd"
+    assert token_texts(tok.detokenize, [lone] * 5 + ids[:3], prompt_ids)[:5] == ["\ufffd"] * 5
+    # generation stopped inside a character (🙂 is 4 byte tokens; 2 of them generated): its
+    # U+FFFD stays, as in the decoded text, and the text before it is whole
+    assert len(tok.tokenize("🙂")) == 4 and ids[-1] == tok.tokenize(".")[0]
+    cut = token_texts(tok.detokenize, ids[:-3], prompt_ids)
     assert "".join(cut) == tok.detokenize(prompt_ids + ids[:-3])[len(prompt) :]
-    assert cut[-1].endswith("\ufffd") and "\ufffd" not in "".join(cut[:-1])
+    assert "".join(cut[-2:]) == "\ufffd" and "\ufffd" not in "".join(cut[:-2])
