@@ -32,6 +32,7 @@ from megatron_tempnet.inference.evaluation import merge, score_sequences, summar
 from megatron_tempnet.inference.model import InferenceError
 from megatron_tempnet.utils.cli import run_tool
 from megatron_tempnet.utils.files import write_atomic
+from megatron_tempnet.utils.progress import progress
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -121,14 +122,18 @@ def main(argv: list[str] | None = None) -> int:
         documents = [[t for d in documents for t in (d if args.data_path else d + eod)]]
     # every document's windows, scored --micro-batch-size at a time across documents
     cut = [windows(d, window) for d in documents]
-    flat = score_sequences(
-        model,
-        [w for parts in cut for w in parts],
-        fixed_tau=args.fixed_tau,
-        fused_output_stage=args.fused_output_stage,
-        chunk_size=args.output_stage_chunk_size or None,
-        micro_batch_size=args.micro_batch_size,
-    )
+    sequences = [w for parts in cut for w in parts]
+    total = sum(len(w) - 1 for w in sequences)
+    with progress("scoring", total, unit="tok", enabled=dist.get_rank() == 0) as bar:
+        flat = score_sequences(
+            model,
+            sequences,
+            fixed_tau=args.fixed_tau,
+            fused_output_stage=args.fused_output_stage,
+            chunk_size=args.output_stage_chunk_size or None,
+            micro_batch_size=args.micro_batch_size,
+            on_tokens=bar.update,
+        )
     scores, offset = [], 0
     for parts in cut:
         scores.append(merge(flat[offset : offset + len(parts)]))

@@ -13,6 +13,7 @@ whole ``[tokens, V_pad/tp]`` logits), or with ``fused_output_stage=False`` from
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -92,9 +93,11 @@ def score_sequences(
     chunk_size: int | None = None,
     micro_batch_size: int = 8,
     first: list[int] | None = None,
+    on_tokens: Callable[[int], None] | None = None,
 ) -> list[TokenScores]:
     """Scores of every sequence's tokens from index ``first[i]`` on (default 1: all but the
-    first), each predicted from the tokens before it in its sequence.
+    first), each predicted from the tokens before it in its sequence; ``on_tokens(n)``: ``n``
+    more tokens are scored (progress).
 
     Sequences are scored ``micro_batch_size`` at a time, longest first, right-padded: causal
     attention keeps the padding out of every real position. With the fused output stage only
@@ -133,6 +136,8 @@ def score_sequences(
             results[i] = TokenScores(kept[part], pieces[0][part], pieces[1][part],
                                      pieces[2][part], hits[part])  # fmt: skip
             offset += n
+        if on_tokens is not None:
+            on_tokens(sum(counts))
     return results
 
 

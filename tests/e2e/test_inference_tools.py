@@ -299,6 +299,8 @@ def test_evaluate_tllm_perplexity_matches_a_reference(setup, tmp_path):
         cmd += ["--no-fused-output-stage"] if tp == 1 else ["--output-stage-chunk-size", "7"]
         r = run_command(cmd, env=ENV, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
+        n = sum(len(d) - 1 for d in documents)  # progress on rank 0, through every target
+        assert r.stderr.count(f"scoring: 100% {n}/{n} tok in ") == 1, r.stderr[-3000:]
         results[tp] = json.loads((tmp_path / f"e{tp}.json").read_text())
         rows = [json.loads(x) for x in (tmp_path / f"t{tp}.jsonl").read_text().splitlines()]
         for row, want in zip(rows, per_doc):
