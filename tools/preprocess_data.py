@@ -1,11 +1,13 @@
-"""Tokenize .jsonl / .jsonl.zst / .jsonl.gz corpora into megatron-core indexed datasets.
+r"""Tokenize .jsonl / .jsonl.zst / .jsonl.gz corpora into megatron-core indexed datasets.
 
-    python tools/preprocess_data.py --input owt2/*.jsonl.zst --output-prefix data/owt2 \
+    python tools/preprocess_data.py --input openwebtext2.jsonl.zst.tar --output-prefix data/owt2 \
         --tokenizer-type GPT2BPETokenizer \
         --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt \
         --append-eod --workers 16
 
 writes data/owt2_text_document.bin/.idx (train with --data-path data/owt2_text_document).
+Progress: a bar on a terminal, otherwise a line every $MEGATRON_TEMPNET_PROGRESS_INTERVAL
+seconds (default 30).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import argparse
 import dataclasses
 import sys
 
-from megatron_tempnet.data.jsonl import expand_inputs
 from megatron_tempnet.data.preprocess import PreprocessConfig, run_preprocess
 from megatron_tempnet.data.tokenizers import TokenizerConfig
 from megatron_tempnet.utils.cli import run_tool
@@ -29,7 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         required=True,
         metavar="PATH",
-        help="input files (.jsonl, .jsonl.zst, .jsonl.gz) or directories of them",
+        help="input files (.jsonl, .jsonl.zst, .jsonl.gz), .tar/.tar.gz archives of them\n"
+        "(read in place), directories (recursive) or quoted globs ('data/**/*.zst');\n"
+        "a directory, glob or archive is read sorted by path, directory by directory",
     )
     g.add_argument(
         "--output-prefix",
@@ -70,16 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="skip lines that are not a JSON object with string --json-keys, report "
         "each one and count them (default: stop at the first, naming file:line)",
     )
-    g.add_argument(
-        "--log-interval-seconds", type=float, default=10.0, help="seconds between progress lines"
-    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = PreprocessConfig(
-        inputs=expand_inputs(args.input),
+        inputs=args.input,
         output_prefix=args.output_prefix,
         tokenizer=dataclasses.asdict(from_flags(TokenizerConfig, args)),
         json_keys=tuple(args.json_keys),
@@ -90,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
         partition_index=args.partition_index,
         skip_bad_lines=args.skip_bad_lines,
         overwrite=args.overwrite,
-        log_interval=args.log_interval_seconds,
     )
     run_preprocess(config)
     return 0

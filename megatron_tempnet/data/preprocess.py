@@ -5,11 +5,15 @@ processes parse and tokenize the chunks; the main process writes the results in 
 most ``2 * workers`` chunks are in flight, so memory is flat whatever the input size, and the
 output is byte-identical whatever ``workers`` is.
 
-Inputs are split into ``partitions`` contiguous groups of files (balanced by size). Each group is
-written as its own dataset; by default the groups are then merged into one dataset (identical to
-a single-partition run) and removed, ``keep_partitions`` keeps them apart, and ``partition_index``
-processes one group only (one job per partition on a cluster; merge with
-``tools/merge_datasets.py``).
+Progress is counted in stored (compressed) input bytes as chunks complete, in order: a bar on a
+terminal, a line every ``MEGATRON_TEMPNET_PROGRESS_INTERVAL`` seconds elsewhere
+(``megatron_tempnet.utils.progress``); documents, tokens and rates are summed up at the end.
+
+Inputs are split into ``partitions`` contiguous groups of files (balanced by size; an archive's
+members count as files). Each group is written as its own dataset; by default the groups are
+then merged into one dataset (identical to a single-partition run) and removed,
+``keep_partitions`` keeps them apart, and ``partition_index`` processes one group only (one job
+per partition on a cluster; merge with ``tools/merge_datasets.py``).
 """
 
 from __future__ import annotations
@@ -30,10 +34,18 @@ from megatron_tempnet.data.indexed import (
     merge_datasets,
     token_dtype,
 )
-from megatron_tempnet.data.jsonl import InputError, LineChunk, iter_line_chunks, parse_line
+from megatron_tempnet.data.jsonl import (
+    InputError,
+    InputFile,
+    LineChunk,
+    expand_inputs,
+    iter_line_chunks,
+    parse_line,
+)
 from megatron_tempnet.data.tokenizers import build_tokenizer
 from megatron_tempnet.utils.cli import Interrupted, UserError
 from megatron_tempnet.utils.logging import get_logger
+from megatron_tempnet.utils.progress import progress
 
 logger = get_logger(__name__)
 
@@ -47,7 +59,8 @@ class PreprocessConfig:
     """What ``tools/preprocess_data.py`` does; fields mirror its flags."""
 
     inputs: list[str]
-    """--input: .jsonl / .jsonl.zst / .jsonl.gz files, in order."""
+    """--input: .jsonl / .jsonl.zst / .jsonl.gz files, directories of them (recursive), globs
+    and .tar archives of them, in order (``megatron_tempnet.data.jsonl.expand_inputs``)."""
     output_prefix: str
     """--output-prefix P: writes P_{key}_document.bin/.idx for every JSON key."""
     tokenizer: dict
@@ -68,8 +81,6 @@ class PreprocessConfig:
     """--skip-bad-lines: skip and count bad lines instead of stopping at the first."""
     overwrite: bool = False
     """--overwrite: replace existing output datasets."""
-    log_interval: float = 10.0
-    """--log-interval-seconds: seconds between progress lines."""
     chunk_bytes: int = 1 << 20
     """Uncompressed bytes of input per unit of work (2 per worker are in flight)."""
 
@@ -79,6 +90,7 @@ class EncodedChunk:
     source: str
     first_line: int
     nbytes: int
+    stored: int  # stored input bytes the chunk completes (progress)
     tokens: dict[str, np.ndarray]  # key -> tokens of the chunk's documents, concatenated
     lengths: dict[str, np.ndarray]  # key -> [n_docs] int32
     bad: list[tuple[int, str]] = field(default_factory=list)  # (line number, reason)
@@ -102,7 +114,7 @@ def _init_worker(tokenizer: dict, keys: tuple[str, ...], append_eod: bool, dtype
 def encode_chunk(chunk: LineChunk) -> EncodedChunk:
     """Parse and tokenize one chunk (runs in a worker, after ``_init_worker``)."""
     keys, tok = _WORKER["keys"], _WORKER["tokenizer"]
-    result = EncodedChunk(chunk.source, chunk.first_line, chunk.nbytes, {}, {})
+    result = EncodedChunk(chunk.source, chunk.first_line, chunk.nbytes, chunk.stored, {}, {})
     texts: list[list[str]] = []
     for i, line in enumerate(chunk.lines):
         parsed = parse_line(line, keys)
@@ -148,25 +160,26 @@ def dataset_prefix(output_prefix: str, key: str, partition: int | None = None) -
     return f"{output_prefix}{part}_{key}_document"
 
 
-def split_inputs(paths: list[str], partitions: int) -> list[list[str]]:
-    """Contiguous groups of files with about equal total size (each group non-empty)."""
-    if partitions > len(paths):
+def split_inputs(inputs: list[InputFile], partitions: int) -> list[list[InputFile]]:
+    """Contiguous groups of inputs (files, archive members) with about equal stored size (each
+    group non-empty)."""
+    if partitions > len(inputs):
         raise PreprocessError(
-            f"--partitions ({partitions}) exceeds the number of input files ({len(paths)}); "
-            "partitions are groups of whole files"
+            f"--partitions ({partitions}) exceeds the number of input files ({len(inputs)}); "
+            "partitions are groups of whole files (an archive's members count one each)"
         )
-    sizes = np.cumsum([os.path.getsize(p) for p in paths])
+    sizes = np.cumsum([f.size for f in inputs])
     groups, start = [], 0
     for i in range(partitions):
         if i == partitions - 1:
-            end = len(paths)
+            end = len(inputs)
         else:
             target = sizes[-1] * (i + 1) / partitions
             end = start + 1
-            last_allowed = len(paths) - (partitions - i - 1)
+            last_allowed = len(inputs) - (partitions - i - 1)
             while end < last_allowed and sizes[end] <= target:
                 end += 1
-        groups.append(paths[start:end])
+        groups.append(inputs[start:end])
         start = end
     return groups
 
@@ -193,64 +206,72 @@ def _ordered_results(
         yield pending.popleft().get()
 
 
-class _Progress:
-    def __init__(self, interval: float):
-        self.interval, self.start, self.last = interval, time.monotonic(), time.monotonic()
+class _Tally:
+    """Counts for the final report; moves the progress reporter on by each chunk's bytes."""
+
+    def __init__(self, bar):
+        self.bar, self.start = bar, time.monotonic()
         self.docs = self.tokens = self.nbytes = self.bad = self.blank = self.empty = 0
         self.reasons: Counter = Counter()
 
-    def update(self, res: EncodedChunk, keys: tuple[str, ...]) -> None:
+    def add(self, res: EncodedChunk, keys: tuple[str, ...]) -> None:
         self.docs += int(res.lengths[keys[0]].size)
         self.tokens += sum(int(res.lengths[k].sum(dtype=np.int64)) for k in keys)
         self.nbytes += res.nbytes
         self.blank += res.blank
         self.empty += res.empty
-        now = time.monotonic()
-        if now - self.last >= self.interval:
-            self.last = now
-            logger.info("%s", self.line())
+        self.bar.update(res.stored)
+
+    def skipped(self, reason: str) -> None:
+        """Count a bad line skipped (--skip-bad-lines), by the reason's kind."""
+        self.bad += 1
+        self.reasons[reason.split(" (")[0]] += 1
 
     def line(self) -> str:
         secs = max(time.monotonic() - self.start, 1e-9)
         return (
-            f"{self.docs:,} documents, {self.tokens:,} tokens, {self.nbytes / 1e6:,.1f} MB read "
-            f"in {secs:.1f} s ({self.docs / secs:,.0f} docs/s, {self.nbytes / 1e6 / secs:.2f} MB/s)"
+            f"{self.docs:,} documents, {self.tokens:,} tokens, {self.nbytes / 1e6:,.1f} MB of "
+            f"text in {secs:.1f} s ({self.docs / secs:,.0f} docs/s, {self.tokens / secs:,.0f} "
+            f"tokens/s, {self.nbytes / 1e6 / secs:.2f} MB/s)"
         )
 
 
-def _consume(config: PreprocessConfig, files: list[str], pool, writers, progress) -> None:
+def _consume(config: PreprocessConfig, files: list[InputFile], pool, writers, tally) -> None:
     keys = config.json_keys
-    chunks = (c for path in files for c in iter_line_chunks(path, config.chunk_bytes))
+    chunks = iter_line_chunks(files, config.chunk_bytes)
     for res in _ordered_results(chunks, pool, 2 * max(config.workers, 1)):
         for line_no, reason in res.bad:
             where = f"{res.source}:{line_no}: {reason}"
             if not config.skip_bad_lines:
                 raise PreprocessError(f"{where} (--skip-bad-lines skips and counts such lines)")
             logger.warning("skipped %s", where)
-            progress.bad += 1
-            progress.reasons[reason.split(" (")[0]] += 1
+            tally.skipped(reason)
         for key in keys:
             writers[key].add_documents(res.tokens[key], res.lengths[key])
-        progress.update(res, keys)
+        tally.add(res, keys)
 
 
-def _write_partition(config, files, prefixes, dtype, pool, progress) -> list[IndexSummary]:
+def _write_partition(config, files, prefixes, dtype, pool, tally) -> list[IndexSummary]:
     writers: dict[str, IndexedDatasetWriter] = {}
     try:
         for key in config.json_keys:
             writers[key] = IndexedDatasetWriter(prefixes[key], dtype)
-        _consume(config, files, pool, writers, progress)
+        _consume(config, files, pool, writers, tally)
         empty = [key for key, w in writers.items() if w.num_documents == 0]
         if empty:
             raise PreprocessError(
-                f"no documents with tokens under key(s) {empty} in {', '.join(files)}; "
-                "nothing written"
+                f"no documents with tokens under key(s) {empty} in {_names(files)}; nothing written"
             )
     except BaseException:
         for w in writers.values():
             w.abort()
         raise
     return [writers[key].finalize() for key in config.json_keys]
+
+
+def _names(files: list[InputFile], shown: int = 3) -> str:
+    names = ", ".join(f.name for f in files[:shown])
+    return names + (f" and {len(files) - shown} more" if len(files) > shown else "")
 
 
 def _check_config(config: PreprocessConfig) -> None:
@@ -286,18 +307,21 @@ def run_preprocess(config: PreprocessConfig) -> list[IndexSummary]:
     if config.append_eod and tokenizer.eod is None:
         raise PreprocessError(f"--append-eod: {tokenizer!r} has no end-of-document token")
     dtype = token_dtype(tokenizer.vocab_size)
-    groups = split_inputs(config.inputs, config.partitions)
+    files = expand_inputs(config.inputs)
+    groups = split_inputs(files, config.partitions)
     for prefix in _planned_outputs(config):
         check_output_free(prefix, config.overwrite)
+    todo = groups if config.partition_index is None else [groups[config.partition_index]]
+    total = sum(f.size for group in todo for f in group)
     logger.info(
-        "tokenizer %r, token dtype %s, %d input file(s), %d worker(s)",
+        "tokenizer %r, token dtype %s, %d input file(s) to read (%.1f MB), %d worker(s)",
         tokenizer,
         np.dtype(dtype).name,
-        len(config.inputs),
+        sum(len(group) for group in todo),
+        total / 1e6,
         config.workers,
     )
     init_args = (config.tokenizer, tuple(config.json_keys), config.append_eod, np.dtype(dtype).name)
-    progress = _Progress(config.log_interval)
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     pool = None
     try:
@@ -306,7 +330,9 @@ def run_preprocess(config: PreprocessConfig) -> list[IndexSummary]:
         else:
             _init_worker(*init_args)
             signal.signal(signal.SIGINT, _raise_interrupted)
-        summaries = _run_partitions(config, groups, dtype, pool, progress)
+        with progress("preprocessing", total, unit="MB", scale=1e6) as bar:
+            tally = _Tally(bar)
+            summaries = _run_partitions(config, groups, dtype, pool, tally)
     finally:
         if pool is not None:
             # close + join: the chunks still in flight (bounded) finish. Pool.terminate() can
@@ -315,22 +341,22 @@ def run_preprocess(config: PreprocessConfig) -> list[IndexSummary]:
             pool.join()
         for s, handler in previous.items():
             signal.signal(s, handler)
-    _report(progress, summaries)
+    _report(tally, summaries)
     return summaries
 
 
-def _run_partitions(config, groups, dtype, pool, progress) -> list[IndexSummary]:
+def _run_partitions(config, groups, dtype, pool, tally) -> list[IndexSummary]:
     keys = config.json_keys
     if config.partitions == 1:
         prefixes = {k: dataset_prefix(config.output_prefix, k) for k in keys}
-        return _write_partition(config, groups[0], prefixes, dtype, pool, progress)
+        return _write_partition(config, groups[0], prefixes, dtype, pool, tally)
     indices = [config.partition_index] if config.partition_index is not None else []
     indices = indices or list(range(config.partitions))
     summaries = []
     for p in indices:
         prefixes = {k: dataset_prefix(config.output_prefix, k, p) for k in keys}
         logger.info("partition %d/%d: %d file(s)", p, config.partitions, len(groups[p]))
-        summaries += _write_partition(config, groups[p], prefixes, dtype, pool, progress)
+        summaries += _write_partition(config, groups[p], prefixes, dtype, pool, tally)
     if config.keep_partitions or config.partition_index is not None:
         return summaries
     merged = []
@@ -343,8 +369,8 @@ def _run_partitions(config, groups, dtype, pool, progress) -> list[IndexSummary]
     return merged
 
 
-def _report(progress: _Progress, summaries: list[IndexSummary]) -> None:
-    logger.info("done: %s", progress.line())
+def _report(tally: _Tally, summaries: list[IndexSummary]) -> None:
+    logger.info("done: %s", tally.line())
     for s in summaries:
         logger.info(
             "wrote %s.bin/.idx: %d documents, %d tokens, %s",
@@ -353,10 +379,10 @@ def _report(progress: _Progress, summaries: list[IndexSummary]) -> None:
             s.num_tokens,
             np.dtype(s.dtype).name,
         )
-    if progress.bad:
-        detail = ", ".join(f"{r}: {n}" for r, n in progress.reasons.most_common())
-        logger.warning("skipped %d bad line(s) (%s)", progress.bad, detail)
-    if progress.blank:
-        logger.info("ignored %d blank line(s)", progress.blank)
-    if progress.empty:
-        logger.warning("left out %d document(s) with no tokens", progress.empty)
+    if tally.bad:
+        detail = ", ".join(f"{r}: {n}" for r, n in tally.reasons.most_common())
+        logger.warning("skipped %d bad line(s) (%s)", tally.bad, detail)
+    if tally.blank:
+        logger.info("ignored %d blank line(s)", tally.blank)
+    if tally.empty:
+        logger.warning("left out %d document(s) with no tokens", tally.empty)

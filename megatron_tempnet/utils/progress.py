@@ -18,6 +18,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -91,33 +92,40 @@ class _Silent(_Reporter):
 
 
 class _Bar(_Reporter):
-    """``tqdm`` with counts divided by ``scale`` (bytes shown as MB)."""
+    """``tqdm`` with counts divided by ``scale`` (bytes shown as MB); log lines printed while it
+    is shown go above it instead of through it."""
 
     def __init__(self, desc: str, total: float | None, *, unit: str, scale: float, stream):
         from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
         bar_format = None
         if total is not None and scale != 1:
-            # one decimal for scaled counts (tqdm would print 91.23456789/203.0)
+            # one decimal for scaled counts (tqdm would print 91.23456789/203.0); the rate
+            # always per second (tqdm turns a rate below 1 into s/MB)
             bar_format = (
-                "{l_bar}{bar}| {n:.1f}/{total:.1f} {unit} [{elapsed}<{remaining}, {rate_fmt}]"
+                "{l_bar}{bar}| {n:.1f}/{total:.1f} {unit} [{elapsed}<{remaining}, {rate_noinv_fmt}]"
             )
-        # total and format given at construction: tqdm draws its first line there
+        self._redirect = contextlib.ExitStack()
+        self._redirect.enter_context(logging_redirect_tqdm())
+        # tqdm counts in the caller's units and scales only for display: summed scaled floats
+        # overshoot the total. Total and format at construction: tqdm draws its first line there.
         self.bar = tqdm(
-            total=None if total is None else total / scale,
+            total=total,
             desc=desc,
             unit=unit,
+            unit_scale=1 / scale if scale != 1 else False,
             file=stream,
             dynamic_ncols=True,
             bar_format=bar_format,
         )
-        self.scale = scale
 
     def update(self, n: float = 1) -> None:
-        self.bar.update(n / self.scale)
+        self.bar.update(n)
 
     def close(self, completed: bool = True) -> None:
         self.bar.close()
+        self._redirect.close()
 
 
 class PlainProgress(_Reporter):
@@ -130,6 +138,8 @@ class PlainProgress(_Reporter):
         self.start = self.last = time.monotonic()
 
     def update(self, n: float = 1) -> None:
+        if not n:
+            return
         self.done += n
         now = time.monotonic()
         if now - self.last >= self.interval:

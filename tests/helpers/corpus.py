@@ -129,3 +129,23 @@ def blend_config(corpus: dict, cache: str, seq_length: int, **kw):
         data_cache_path=cache,
         **kw,
     )
+
+
+def write_tar(archive: str, directory: str, names: list[str]) -> str:
+    """A tar archive (``.tar``, or gzip-compressed by a ``.tar.gz``/``.tgz`` suffix) of the files
+    ``names`` (relative to ``directory``), stored in the given order, each folder's entry first.
+
+    As in OpenWebText2's archive, member names are the relative paths without ``./``.
+    """
+    import tarfile
+
+    mode = "w:gz" if archive.endswith((".tar.gz", ".tgz")) else "w"
+    folders: set[str] = set()
+    with tarfile.open(archive, mode) as tar:
+        for name in names:
+            folder = os.path.dirname(name)
+            if folder and folder not in folders:
+                folders.add(folder)
+                tar.add(os.path.join(directory, folder), folder, recursive=False)
+            tar.add(os.path.join(directory, name), name)
+    return archive

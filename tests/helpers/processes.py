@@ -7,12 +7,22 @@ through one multiprocessing *forkserver* per test session: it imports those modu
 runs a tensor operation itself, and forks every new process from that state. Each process is
 still new: its own interpreter state, environment, working directory, command line and exit
 status, with nothing shared with the test or with other runs.
+
+``run_in_terminal`` runs a command on a pseudo-terminal instead, to see what a person at a terminal
+sees (progress bars redrawn in place).
 """
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing as mp
 import os
+import pty
+import select
+import struct
+import subprocess
+import termios
+import time
 
 PRELOAD = [
     "numpy",
@@ -45,3 +55,42 @@ def context():
         _context = mp.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
     return _context
+
+
+def run_in_terminal(
+    cmd: list[str], env: dict | None = None, timeout: float = 120, columns: int = 120
+) -> tuple[int, str]:
+    """Run ``cmd`` with a pseudo-terminal ``columns`` wide as its stdin, stdout and stderr;
+    returns its exit status and all it wrote to the terminal (carriage returns kept, newlines
+    as the terminal gives them: ``\\r\\n``). Raises ``TimeoutExpired`` after ``timeout``."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    try:
+        proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env)
+    except BaseException:
+        os.close(master)
+        raise
+    finally:
+        os.close(slave)  # the child's copies stay open: reading ends when they close
+    output, deadline = bytearray(), time.monotonic() + timeout
+    try:
+        while True:
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise subprocess.TimeoutExpired(cmd, timeout, output=bytes(output))
+            ready, _, _ = select.select([master], [], [], 0.1)
+            if not ready:
+                if proc.poll() is not None:  # exited, and nothing left unread
+                    break
+                continue
+            try:
+                data = os.read(master, 1 << 16)
+            except OSError:  # EIO: every process holding the terminal has closed it
+                break
+            if not data:
+                break
+            output += data
+    finally:
+        os.close(master)
+    return proc.wait(), output.decode("utf-8", errors="replace")

@@ -1,13 +1,16 @@
-"""tools/preprocess_data.py: tokenizers x input formats round trips, determinism, bad input."""
+"""tools/preprocess_data.py: tokenizers x input formats round trips, determinism, bad input,
+archives, directories and globs, progress."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 
 import numpy as np
@@ -24,13 +27,16 @@ from megatron_tempnet.data.indexed import (
 from megatron_tempnet.data.jsonl import InputError
 from megatron_tempnet.data.preprocess import PreprocessConfig, PreprocessError, run_preprocess
 from megatron_tempnet.data.tokenizers import build_tokenizer
+from megatron_tempnet.utils.progress import INTERVAL_ENV
 from tests.helpers.corpus import (
     pydoc_documents,
     save_hf_tokenizer,
     train_gpt2_bpe,
     train_sentencepiece,
     write_jsonl,
+    write_tar,
 )
+from tests.helpers.processes import run_in_terminal
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(REPO, "tools", "preprocess_data.py")
@@ -336,6 +342,7 @@ def test_cli_errors_are_one_line_and_keep_existing_output(tmp_path, tokenizers):
     for args, message in [
         (["--input", str(tmp_path / "missing.jsonl")], "no such file"),
         (["--input", str(tmp_path / "o_text_document.bin")], "unknown format"),
+        (["--input", str(tmp_path / "no" / "*.jsonl.zst")], "the pattern matches no file"),
         (["--input", good, "--partitions", "2"], "--partitions (2) exceeds the number of input"),
         (["--input", good, "--workers", "0"], "--workers (0) must be >= 1"),
     ]:
@@ -393,17 +400,6 @@ def test_interrupted_run_leaves_no_complete_looking_index(tmp_path, tokenizers, 
         assert proc.returncode == -signal.SIGKILL
 
 
-def test_progress_lines_report_documents_tokens_and_throughput(tmp_path, tokenizers, caplog):
-    path = write_jsonl(str(tmp_path / "in.jsonl"), [{"text": d} for d in pydoc_documents(40)])
-    with caplog.at_level(logging.INFO, logger="megatron_tempnet"):
-        (s,) = _run([path], str(tmp_path / "o"), _spec(tokenizers, "GPT2BPETokenizer"),
-                    log_interval=0.0, chunk_bytes=10_000)  # fmt: skip
-    progress = [r.getMessage() for r in caplog.records if " docs/s, " in r.getMessage()]
-    assert len(progress) >= 3  # one per chunk, plus the final summary
-    assert progress[-1].startswith(f"done: 40 documents, {s.num_tokens:,} tokens, ")
-    assert progress[-1].endswith(" MB/s)")
-
-
 def test_input_without_documents_writes_nothing(tmp_path, tokenizers):
     path = write_jsonl(str(tmp_path / "empty.jsonl"), [{"text": ""}, {"text": ""}])
     with pytest.raises(
@@ -411,3 +407,149 @@ def test_input_without_documents_writes_nothing(tmp_path, tokenizers):
     ):
         _run([path], str(tmp_path / "o"), _spec(tokenizers, "GPT2BPETokenizer"))
     assert sorted(os.listdir(tmp_path)) == ["empty.jsonl"]
+
+
+# ---- archives, directories, globs and progress ---------------------------------------------------
+
+# OpenWebText2's archive in small: .jsonl.zst files, some in a folder, stored out of order. They
+# are read in path order, directory by directory: 2020/* before 2020-12 (a character order would
+# put "-" before "/").
+ARCHIVE_ORDER = [
+    "2020-12.jsonl.zst",
+    "2020/02.jsonl.zst",
+    "2019-01.jsonl.zst",
+    "2020/01.jsonl.zst",
+    "2019-02.jsonl.zst",
+]
+PATH_ORDER = [
+    "2019-01.jsonl.zst",
+    "2019-02.jsonl.zst",
+    "2020/01.jsonl.zst",
+    "2020/02.jsonl.zst",
+    "2020-12.jsonl.zst",
+]
+DOCS_PER_FILE = 20
+
+
+@pytest.fixture(scope="module")
+def owt2_like(tmp_path_factory, tokenizers) -> dict:
+    """The files extracted and as a tar, and the dataset of the extracted directory."""
+    root = tmp_path_factory.mktemp("owt2")
+    extracted = root / "extracted"
+    (extracted / "2020").mkdir(parents=True)
+    docs = pydoc_documents(DOCS_PER_FILE * len(PATH_ORDER))
+    for i, name in enumerate(PATH_ORDER):
+        part = docs[i * DOCS_PER_FILE : (i + 1) * DOCS_PER_FILE]
+        write_jsonl(str(extracted / name), [{"text": d, "meta": {"file": name}} for d in part])
+    spec = _spec(tokenizers, "GPT2BPETokenizer")
+    (ref,) = _run([str(extracted)], str(root / "dir"), spec, append_eod=True)
+    return {
+        "extracted": str(extracted),
+        "tar": write_tar(str(root / "owt2.jsonl.zst.tar"), str(extracted), ARCHIVE_ORDER),
+        "docs": docs,
+        "spec": spec,
+        "reference": ref.prefix,
+    }
+
+
+def test_directory_is_read_recursively_in_path_order(owt2_like):
+    tok = build_tokenizer(**owt2_like["spec"])
+    expected = [tok.tokenize(d) + [tok.eod] for d in owt2_like["docs"]]
+    assert [ids.tolist() for ids in _read_back(owt2_like["reference"])] == expected
+
+
+def test_archive_on_a_terminal_equals_its_extracted_files(owt2_like, tokenizers, tmp_path):
+    """The tar through the tool, on a terminal: the extracted directory's bytes, and a bar."""
+    prefix = str(tmp_path / "tar")
+    args = ["--input", owt2_like["tar"], "--output-prefix", prefix, "--append-eod"]
+    code, out = run_in_terminal([sys.executable, TOOL, *args, *_cli_tok(tokenizers)])
+    assert code == 0, out
+    assert _files(prefix + "_text_document") == _files(owt2_like["reference"])
+    mb = sum(os.path.getsize(os.path.join(owt2_like["extracted"], n)) for n in PATH_ORDER) / 1e6
+    final = rf"\rpreprocessing: 100%\|█+\| {mb:.1f}/{mb:.1f} MB \[[\d:]+<00:00, +[\d.]+MB/s\]\r\n"
+    assert re.search(final, out), out
+    assert "done: 100 documents" in out and "INFO preprocessing:" not in out
+
+
+def test_glob_equals_the_archive_and_logs_plain_progress(owt2_like, tokenizers, tmp_path):
+    """A glob through the tool, output to pipes: a line per chunk at interval 0, and a last."""
+    prefix = str(tmp_path / "glob")
+    pattern = os.path.join(owt2_like["extracted"], "**", "*.jsonl.zst")
+    env = dict(os.environ, **{INTERVAL_ENV: "0"})
+    args = ["--input", pattern, "--output-prefix", prefix, "--append-eod"]
+    r = _cli([*args, *_cli_tok(tokenizers)], env=env)
+    assert r.returncode == 0, r.stderr
+    assert _files(prefix + "_text_document") == _files(owt2_like["reference"])
+    sizes = np.cumsum(
+        [os.path.getsize(os.path.join(owt2_like["extracted"], n)) for n in PATH_ORDER]
+    )
+    mb, rate = f"{sizes[-1] / 1e6:.1f}", r"([\d.e+-]+) MB/s"
+    line = rf"preprocessing: (\d+)% [\d.]+/{mb} MB \| {rate} \| elapsed [\d:]+ \| ETA [\d:]+"
+    lines = re.findall(line, r.stderr)
+    # one chunk per file: the percentage after each file (of the stored bytes), a rate, an ETA
+    assert [int(p) for p, _ in lines] == [round(100 * s / sizes[-1]) for s in sizes]
+    assert all(float(r) > 0 for _, r in lines)
+    assert len(re.findall(rf"preprocessing: 100% {mb}/{mb} MB in [\d:]+ \({rate}\)", r.stderr)) == 1
+    assert re.search(r"done: 100 documents, [\d,]+ tokens, .* tokens/s, ", r.stderr)
+
+
+def test_gzipped_archive_and_partitions_of_members(owt2_like, tmp_path):
+    """A .tar.gz read out of its stored order; an archive's members are partitioned as files."""
+    tgz = write_tar(str(tmp_path / "owt2.tgz"), owt2_like["extracted"], ARCHIVE_ORDER)
+    (s,) = _run([tgz], str(tmp_path / "tgz"), owt2_like["spec"], append_eod=True)
+    assert _files(s.prefix) == _files(owt2_like["reference"])
+    tar = owt2_like["tar"]
+    (merged,) = _run([tar], str(tmp_path / "m"), owt2_like["spec"], append_eod=True, partitions=2)
+    assert _files(merged.prefix) == _files(owt2_like["reference"])
+    with pytest.raises(
+        PreprocessError, match=r"--partitions \(6\) exceeds the number of input files \(5\)"
+    ):
+        _run([tar], str(tmp_path / "p"), owt2_like["spec"], partitions=6)
+
+
+def test_archive_errors_name_archive_member_and_line(tmp_path, tokenizers, caplog):
+    spec = _spec(tokenizers, "GPT2BPETokenizer")
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    docs = pydoc_documents(40)
+    write_jsonl(str(src / "good.jsonl.zst"), [{"text": d} for d in docs[:10]])
+    recs = [{"text": d} for d in docs[:10]]
+    recs[6] = b'{"meta": {}}'
+    write_jsonl(str(src / "sub" / "bad.jsonl.zst"), recs)
+    (src / "README").write_text("not data")
+    tar = write_tar(str(tmp_path / "bad.tar"), str(src), ["sub/bad.jsonl.zst", "good.jsonl.zst"])
+    with tarfile.open(tar, "a") as t:
+        t.add(str(src / "README"), "README")
+    with caplog.at_level(logging.WARNING, logger="megatron_tempnet"):
+        with pytest.raises(PreprocessError) as err:
+            _run([tar], str(tmp_path / "o"), spec)
+    assert str(err.value) == (
+        f"{tar}:sub/bad.jsonl.zst:7: missing key 'text' (--skip-bad-lines skips and counts such "
+        "lines)"
+    )
+    skipped = [r.getMessage() for r in caplog.records if "skipped 1 file(s)" in r.getMessage()]
+    assert len(skipped) == 1 and skipped[0].startswith(f"archive {tar}: ")
+    assert skipped[0].endswith(f": {tar}:README")
+    # a truncated member: as for a file, the member and the last complete line
+    with open(src / "good.jsonl.zst", "rb") as f:
+        data = f.read()
+    (src / "cut.jsonl.zst").write_bytes(data[: len(data) // 2])
+    cut = write_tar(str(tmp_path / "cut.tar"), str(src), ["good.jsonl.zst", "cut.jsonl.zst"])
+    with pytest.raises(InputError) as err:
+        _run([cut], str(tmp_path / "o"), spec)
+    assert str(err.value).startswith(f"{cut}:cut.jsonl.zst: truncated zstd stream")
+    assert re.search(r"\(after line \d+\)$", str(err.value))
+    # a truncated archive: cut inside a member, or between two (where tarfile stops quietly)
+    with tarfile.open(cut) as t:
+        first = t.getmember("good.jsonl.zst")
+    with open(cut, "rb") as f:
+        whole = f.read()
+    boundary = first.offset_data + -(-first.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+    for size, message in [
+        (boundary - 100, "unreadable tar archive (unexpected end of data)"),
+        (boundary, "truncated archive (no end-of-archive marker)"),
+    ]:
+        (tmp_path / "short.tar").write_bytes(whole[:size])
+        with pytest.raises(InputError, match=re.escape(f"short.tar: {message}")):
+            _run([str(tmp_path / "short.tar")], str(tmp_path / "o"), spec)
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("o")]
