@@ -29,6 +29,14 @@ methods in ``_INSTRUCTION_MAP`` and runs backward in ``_exec_backward_pass``. Th
 them (and the module's ``tied_modules``, ``ckpt_layer_path_list`` and the ``ds_pipe_replicated``
 mark it puts on tied copies).
 
+**RoPE frequencies** (``rotary_embedding_class``). megatron-core's ``RotaryEmbedding`` applies
+LLaMA-3.1's frequency scaling with ``rope_scaling=True``, but its constructor passes only the
+factor to the scaling helper, which then uses low_freq_factor 1, high_freq_factor 4 and
+original_max_position_embeddings 8192 whatever the model's values. The subclass here takes the
+inverse frequencies from the caller instead (``models.transformer.Llama3RopeScaling`` computes
+them for any values) and sets ``inv_freq``, the instance attribute from which every angle is
+computed.
+
 **Float32 islands under --bf16 / --fp16.** DeepSpeed's engine casts every parameter of the model
 to the training dtype in ``_cast_module_mixed_precision``. ``engine_class`` gives the engine
 (plain, pipeline, or last-stage-backward pipeline) whose cast leaves the parameters marked by
@@ -115,6 +123,16 @@ def check_megatron_core() -> None:
                 f"CudaRNGStatesTracker.{method} no longer exists in the installed version: "
                 "megatron_tempnet/compat.py must be updated for it"
             )
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    _require(
+        rotary_pos_embedding,
+        "RotaryEmbedding",
+        ("kv_channels", "rotary_percent", "rotary_interleaved", "rotary_base", "rope_scaling"),
+    )
+    rotary = rotary_pos_embedding.RotaryEmbedding
+    _require_assignment(rotary, "__init__", "inv_freq")
+    _require_assignment(rotary, "get_freqs_non_repeated", "inv_freq")
     if not package_info.__version__.startswith(SUPPORTED_MEGATRON_CORE):
         raise UpstreamError(
             f"megatron-core {package_info.__version__} is installed, the project is written for "
@@ -300,6 +318,29 @@ def apply_cpu_support() -> bool:
     _applied = True
     logger.debug("CPU runtime for megatron-core applied")
     return True
+
+
+# ---------------------------------------------------------------------- RoPE's frequencies
+
+
+@functools.cache
+def rotary_embedding_class() -> type:
+    """megatron-core's ``RotaryEmbedding`` with the caller's inverse frequencies.
+
+    ``cls(frequencies, **kwargs)``: ``kwargs`` are ``RotaryEmbedding``'s (without
+    ``rope_scaling``); ``frequencies`` maps its unscaled inverse frequencies (``[d/2]`` float32,
+    ``base^(-2i/d)``) to the ones every angle is computed from (``position x inv_freq``).
+    """
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    class ScaledRotaryEmbedding(RotaryEmbedding):
+        """``RotaryEmbedding`` whose ``inv_freq`` is ``frequencies(base^(-2i/d))``."""
+
+        def __init__(self, frequencies, **kwargs):
+            super().__init__(rope_scaling=False, **kwargs)
+            self.inv_freq = frequencies(self.inv_freq)
+
+    return ScaledRotaryEmbedding
 
 
 # --------------------------------------------------------------- DeepSpeed's pipeline internals

@@ -1,4 +1,5 @@
-"""Hugging Face ``transformers`` LLaMA-1/2 and GPT-2 weights <-> this project's full tensors.
+"""Hugging Face ``transformers`` LLaMA-1/2/3, Mistral and GPT-2 weights <-> this project's full
+tensors.
 
 Full tensors are named as in ``GPTStack`` (``pieces.{i}.…``, see ``models.sharding``): piece 0
 the word embeddings, 1 the learned positions, ``2 .. L+1`` the transformer layers, ``L+2`` the
@@ -14,6 +15,16 @@ final norm, ``L+3`` the untied output layer.
   halves, so the q/k rows map without a permutation (tested: logits equal HF's).
 - SwiGLU: ``linear_fc1 = [gate_proj; up_proj]`` (megatron-core applies ``silu`` to the first half).
 - GPT-2's Conv1D weights are stored ``[in, out]``: transposed here.
+
+Configs (``model_config_from_hf``, ``hf_config``): ``model_type`` llama and mistral are the same
+computation here (Mistral's tensors have LLaMA's names); the type is kept in
+``ModelConfig.hf_model_type`` so that an export writes it back. RoPE's settings are read in both
+spellings, the Hub's ``rope_theta`` + ``rope_scaling`` and transformers 5's ``rope_parameters``,
+and written in the Hub's (which both read). Only what the model computes is accepted: plain RoPE
+or the ``llama3`` scaling, SiLU, ``head_dim = hidden_size / num_attention_heads``, no sliding
+window, biases on all linear layers or none; anything else is refused by name. ``pretraining_tp``
+is accepted: it only splits transformers 4's matrix products into slices (transformers 5 ignores
+it), the function is the same.
 """
 
 from __future__ import annotations
@@ -88,34 +99,37 @@ class HFWeights:
         raise CheckpointError(f"--hf-dir {self.dir}: tensor {names[0]!r} not found")
 
 
+_LLAMA_TYPES = ("llama", "mistral")
+_LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
 def model_config_from_hf(config: dict) -> ModelConfig:
-    """This project's ``ModelConfig`` for an HF ``config.json`` (LLaMA or GPT-2)."""
+    """This project's ``ModelConfig`` for an HF ``config.json`` (LLaMA, Mistral or GPT-2).
+
+    Raises ``CheckpointError`` naming the key and its value for a setting the model here does not
+    compute (see the module's docstring).
+    """
     kind = config.get("model_type")
-    if kind == "llama":
-        if config.get("attention_bias", False) != config.get("mlp_bias", False):
-            raise CheckpointError("LLaMA with attention_bias != mlp_bias is not supported")
-        theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get(
-            "rope_theta", 10000.0
-        )
-        scaling = config.get("rope_scaling") or {}
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise CheckpointError(f"rope_scaling {scaling} is not supported (LLaMA-1/2 only)")
+    if kind in _LLAMA_TYPES:
+        _check_llama_config(config, kind)
+        heads = config["num_attention_heads"]
         return ModelConfig(
             num_layers=config["num_hidden_layers"],
             hidden_size=config["hidden_size"],
-            num_attention_heads=config["num_attention_heads"],
-            num_query_groups=config.get("num_key_value_heads") or config["num_attention_heads"],
+            num_attention_heads=heads,
+            num_query_groups=config.get("num_key_value_heads") or heads,
             ffn_hidden_size=config["intermediate_size"],
             seq_length=config["max_position_embeddings"],
             max_position_embeddings=config["max_position_embeddings"],
             normalization="RMSNorm",
             swiglu=True,
             position_embedding_type="rope",
-            rotary_base=int(theta),
             add_bias_linear=bool(config.get("attention_bias", False)),
             untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
             norm_epsilon=config["rms_norm_eps"],
             vocab_size=config["vocab_size"],
+            hf_model_type=kind,
+            **_rope_fields(config),
         )
     if kind == "gpt2":
         act = config.get("activation_function", "gelu_new")
@@ -133,15 +147,141 @@ def model_config_from_hf(config: dict) -> ModelConfig:
             openai_gelu=act != "gelu",
             untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", True),
         )
-    raise CheckpointError(f"model_type {kind!r}: only 'llama' and 'gpt2' are supported")
+    raise CheckpointError(f"model_type {kind!r}: only 'llama', 'mistral' and 'gpt2' are supported")
+
+
+def _check_llama_config(config: dict, kind: str) -> None:
+    """Refuse the LLaMA/Mistral settings the model here does not compute."""
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{kind} hidden_act {act!r}: only 'silu' (SwiGLU) is supported")
+    attention_bias, mlp_bias = config.get("attention_bias", False), config.get("mlp_bias", False)
+    if bool(attention_bias) != bool(mlp_bias):
+        raise CheckpointError(
+            f"{kind} attention_bias={attention_bias} with mlp_bias={mlp_bias}: the model has "
+            "biases on every linear layer or on none (--disable-bias-linear)"
+        )
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim")
+    if head_dim is not None and head_dim * heads != hidden:
+        raise CheckpointError(
+            f"{kind} head_dim={head_dim}: only hidden_size / num_attention_heads "
+            f"({hidden} / {heads} = {hidden // heads}) is supported"
+        )
+    window = config.get("sliding_window")
+    if window is not None and config.get("use_sliding_window", True):
+        raise CheckpointError(
+            f"{kind} sliding_window={window}: sliding-window attention is not supported (only "
+            "full causal attention, sliding_window null)"
+        )
+    layers = [t for t in config.get("layer_types") or () if t != "full_attention"]
+    if layers:
+        raise CheckpointError(
+            f"{kind} layer_types holds {sorted(set(layers))}: only full_attention is supported"
+        )
+
+
+def _rope_settings(config: dict) -> tuple[dict, dict]:
+    """RoPE's settings from every spelling: top-level ``rope_theta`` (and
+    ``partial_rotary_factor``), transformers 5's ``rope_parameters`` and the Hub's
+    ``rope_scaling`` (``type`` read as ``rope_type``). -> (settings, the key each came from);
+    a setting given twice must have one value."""
+    top = {k: config[k] for k in ("rope_theta", "partial_rotary_factor") if k in config}
+    merged: dict = {}
+    where: dict = {}
+    for source, values in (
+        ("config.json", top),
+        ("rope_parameters", config.get("rope_parameters")),
+        ("rope_scaling", config.get("rope_scaling")),
+    ):
+        for key, value in (values or {}).items():
+            if value is None:  # as not given
+                continue
+            key = "rope_type" if key == "type" else key
+            if isinstance(value, dict):
+                raise CheckpointError(
+                    f"{source} holds RoPE settings per layer type ({key!r}): only one RoPE for "
+                    "every layer is supported"
+                )
+            if key in merged and merged[key] != value:
+                raise CheckpointError(
+                    f"{where[key]} gives {key}={merged[key]!r} and {source} gives "
+                    f"{key}={value!r}: the config must agree with itself"
+                )
+            merged[key], where[key] = value, source
+    return merged, where
+
+
+def _rope_fields(config: dict) -> dict:
+    """``ModelConfig``'s RoPE fields (``rotary_base``, ``use_rope_scaling``,
+    ``rope_scaling_*``) for a LLaMA/Mistral config."""
+    settings, where = _rope_settings(config)
+    kind = settings.pop("rope_type", None) or "default"
+    if kind not in ("default", "llama3"):
+        raise CheckpointError(
+            f"{where['rope_type']} rope_type {kind!r}: only 'default' and 'llama3' (LLaMA-3.1 "
+            "and 3.2's frequency scaling) are supported"
+        )
+    theta = settings.pop("rope_theta", 10000.0)
+    if float(theta) != int(theta) or theta <= 0:
+        raise CheckpointError(
+            f"{where.get('rope_theta', 'config.json')} rope_theta={theta!r}: --rotary-base takes a "
+            "positive integer"
+        )
+    partial = settings.pop("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise CheckpointError(
+            f"{where['partial_rotary_factor']} partial_rotary_factor={partial!r}: only RoPE over "
+            "the whole head (1.0) is supported"
+        )
+    fields: dict = {"rotary_base": int(theta)}
+    if kind == "llama3":
+        # transformers' rule: a top-level value wins, else max_position_embeddings
+        original = config.get("original_max_position_embeddings") or settings.get(
+            "original_max_position_embeddings", config["max_position_embeddings"]
+        )
+        settings["original_max_position_embeddings"] = original
+        missing = [k for k in _LLAMA3_ROPE if k not in settings]
+        if missing:
+            raise CheckpointError(
+                f"{where['rope_type']} rope_type 'llama3' lacks {', '.join(missing)}"
+            )
+        fields.update(
+            use_rope_scaling=True,
+            rope_scaling_factor=float(settings.pop("factor")),
+            rope_scaling_low_freq_factor=float(settings.pop("low_freq_factor")),
+            rope_scaling_high_freq_factor=float(settings.pop("high_freq_factor")),
+            rope_scaling_original_max_position_embeddings=int(
+                settings.pop("original_max_position_embeddings")
+            ),
+        )
+    if settings:
+        listed = ", ".join(f"{where.get(k, 'config.json')} {k}={v!r}" for k, v in settings.items())
+        raise CheckpointError(f"RoPE setting(s) {listed} not supported with rope_type {kind!r}")
+    return fields
 
 
 def architecture(model: ModelConfig) -> str:
-    """``llama`` or ``gpt2``: the HF architecture with the same computation as ``model``."""
+    """``llama``, ``mistral`` or ``gpt2``: the HF model type with the same computation as
+    ``model`` (``mistral`` when ``model.hf_model_type`` says so, for a LLaMA-shaped model)."""
     shape = (model.normalization, model.swiglu, model.position_embedding_type)
     if shape == ("RMSNorm", True, "rope"):
-        return "llama"
+        kind = model.hf_model_type or "llama"
+        if kind not in _LLAMA_TYPES:
+            raise CheckpointError(
+                f"hf_model_type {kind!r} does not fit a LLaMA-shaped model (RMSNorm, SwiGLU, "
+                "RoPE): export it as llama or mistral (--hf-model-type)"
+            )
+        if kind == "mistral" and model.add_bias_linear:
+            raise CheckpointError(
+                "Mistral has no biases: export this model (with biases) as --hf-model-type llama"
+            )
+        return kind
     if shape == ("LayerNorm", False, "learned_absolute") and model.add_bias_linear:
+        if model.hf_model_type not in (None, "gpt2"):
+            raise CheckpointError(
+                f"hf_model_type {model.hf_model_type!r} does not fit a GPT-2-shaped model"
+            )
         return "gpt2"
     raise CheckpointError(
         "this model has no Hugging Face equivalent here: LLaMA needs RMSNorm, --swiglu and "
@@ -151,29 +291,48 @@ def architecture(model: ModelConfig) -> str:
     )
 
 
+def _rope_scaling(model: ModelConfig) -> dict | None:
+    """The Hub's ``rope_scaling`` entry (None: plain RoPE)."""
+    if not model.use_rope_scaling:
+        return None
+    return {
+        "rope_type": "llama3",
+        "factor": model.rope_scaling_factor,
+        "low_freq_factor": model.rope_scaling_low_freq_factor,
+        "high_freq_factor": model.rope_scaling_high_freq_factor,
+        "original_max_position_embeddings": model.rope_scaling_original_max_position_embeddings,
+    }
+
+
 def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
-    """``config.json`` for ``model`` in Hugging Face's format."""
+    """``config.json`` for ``model`` in Hugging Face's format (RoPE in the Hub's spelling)."""
     dtype_name = str(dtype).removeprefix("torch.")
     tied = not model.untie_embeddings_and_output_weights
-    if architecture(model) == "llama":
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+    kind = architecture(model)
+    if kind in _LLAMA_TYPES:
+        config = {
+            "architectures": ["MistralForCausalLM" if kind == "mistral" else "LlamaForCausalLM"],
+            "model_type": kind,
             "vocab_size": model.vocab_size,
             "hidden_size": model.hidden_size,
             "intermediate_size": model.ffn_hidden_size or 4 * model.hidden_size,
             "num_hidden_layers": model.num_layers,
             "num_attention_heads": model.num_attention_heads,
             "num_key_value_heads": model.num_query_groups or model.num_attention_heads,
+            "head_dim": model.hidden_size // model.num_attention_heads,
             "max_position_embeddings": model.max_position_embeddings,
             "rms_norm_eps": model.norm_epsilon,
             "rope_theta": float(model.rotary_base),
+            "rope_scaling": _rope_scaling(model),
             "hidden_act": "silu",
-            "attention_bias": model.add_bias_linear,
-            "mlp_bias": model.add_bias_linear,
             "tie_word_embeddings": tied,
             "dtype": dtype_name,
         }
+        if kind == "mistral":
+            config["sliding_window"] = None
+        else:
+            config.update(attention_bias=model.add_bias_linear, mlp_bias=model.add_bias_linear)
+        return config
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -210,7 +369,7 @@ def _ungroup_qkv(qkv, heads: int, groups: int):
 
 def _layer_map(model: ModelConfig) -> dict[str, str]:
     """Our layer-relative name -> HF's layer-relative name (single-tensor correspondences)."""
-    if architecture(model) == "llama":
+    if architecture(model) in _LLAMA_TYPES:
         names = {
             "input_layernorm.weight": "input_layernorm.weight",
             "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
@@ -242,7 +401,7 @@ def _transposed(hf_name: str) -> bool:
 
 def from_hf(model: ModelConfig, hf: HFWeights) -> Callable[[str], torch.Tensor]:
     """``full(name)``: our full tensor ``name``, read from ``hf`` when asked."""
-    llama = architecture(model) == "llama"
+    llama = architecture(model) in _LLAMA_TYPES
     L, heads = model.num_layers, model.num_attention_heads
     groups = model.num_query_groups or heads
     top = "model." if llama else "transformer."
@@ -286,7 +445,7 @@ def to_hf(
     model: ModelConfig, full: Callable[[str], torch.Tensor], names: list[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` for every tensor of the HF model, from our full tensors."""
-    llama = architecture(model) == "llama"
+    llama = architecture(model) in _LLAMA_TYPES
     L, heads = model.num_layers, model.num_attention_heads
     groups = model.num_query_groups or heads
     top = "model." if llama else "transformer."

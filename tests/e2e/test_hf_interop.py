@@ -1,6 +1,9 @@
-"""Hugging Face interop: tiny random transformers LLaMA (grouped-query attention) and GPT-2 ->
-our checkpoints at TP 1/2 x PP 1/2 give HF's logits; pretrain_gpt.py loads the conversions
-(--load, --finetune, --pretrained-checkpoint) under DeepSpeed; ours -> HF is weight-identical."""
+"""Hugging Face interop: tiny random transformers LLaMA (grouped-query attention), LLaMA-3.1-style
+(RoPE scaling), LLaMA-3.2-style (scaling, tied embeddings), Mistral and GPT-2 -> our checkpoints
+at TP 1/2 x PP 1/2 give HF's logits (with the KV cache too); pretrain_gpt.py loads the
+conversions (--load, --finetune, --pretrained-checkpoint) under DeepSpeed; ours -> HF is
+weight-identical; HF configs are read in both RoPE spellings, and what the model here does not
+compute is refused by name."""
 
 from __future__ import annotations
 
@@ -15,7 +18,15 @@ import torch
 from tests.helpers.corpus import blend_corpus
 from tests.helpers.distributed import run_distributed
 from tests.helpers.entry_points import run_command
-from tests.helpers.hf_models import load_hf, save_hf_gpt2, save_hf_llama
+from tests.helpers.hf_models import (
+    LLAMA31_ROPE,
+    LLAMA32_ROPE,
+    load_hf,
+    save_hf_gpt2,
+    save_hf_llama,
+    save_hf_mistral,
+    to_hub_rope_spelling,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
@@ -26,8 +37,20 @@ def hf(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf")
     corpus = blend_corpus(str(d), vocab_size=500)
     vocab = corpus["tokenizer"].vocab_size  # 500: padded to 512 at TP 1 and 2
-    return {"dir": d, "corpus": corpus, "vocab": vocab,
-            "llama": save_hf_llama(str(d), vocab), "gpt2": save_hf_gpt2(str(d), vocab)}  # fmt: skip
+    llama32 = save_hf_llama(
+        str(d), vocab, name="hf-llama32", rope_parameters=LLAMA32_ROPE, tie_word_embeddings=True
+    )
+    to_hub_rope_spelling(llama32)  # rope_theta + rope_scaling, as the Hub's 3.2 configs are
+    return {
+        "dir": d,
+        "corpus": corpus,
+        "vocab": vocab,
+        "llama": save_hf_llama(str(d), vocab),
+        "gpt2": save_hf_gpt2(str(d), vocab),
+        "llama3.1": save_hf_llama(str(d), vocab, name="hf-llama31", rope_parameters=LLAMA31_ROPE),
+        "llama3.2": llama32,
+        "mistral": save_hf_mistral(str(d), vocab),
+    }
 
 
 def tool(script: str, *args, check: bool = True) -> subprocess.CompletedProcess:
@@ -44,34 +67,66 @@ def convert(hf_dir: str, out, tp: int = 1, pp: int = 1) -> str:
     return str(out)
 
 
-def _our_logits(load_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+def _our_logits(load_dir: str, tokens: torch.Tensor, cached_from: int | None):
     from megatron_tempnet.inference.model import init_inference, load_inference_model
 
     init_inference(torch.distributed.get_world_size())
-    return load_inference_model(load_dir).logits(tokens)  # [b, s, V_pad/tp]
+    model = load_inference_model(load_dir)
+    logits = model.logits(tokens)  # [b, s, V_pad/tp]
+    if cached_from is None:
+        return logits
+    # generation's path: a prefill of the first tokens, then one cached step per token
+    b, s = tokens.shape
+    cache = model.new_cache(b, s)
+    cache.at(0)
+    prefix = torch.arange(cached_from)[None].expand(b, cached_from)
+    last = torch.full((b,), cached_from - 1)
+    steps = [model.cached_logits(tokens[:, :cached_from], prefix, cache, last)]
+    for p in range(cached_from, s):
+        cache.at(p)
+        here, first = torch.full((b, 1), p), torch.zeros(b, dtype=torch.long)
+        steps.append(model.cached_logits(tokens[:, p : p + 1], here, cache, first))
+    return logits, torch.stack(steps, dim=1)  # [b, s - cached_from + 1, V_pad/tp]
 
 
-def our_logits(load_dir: str, tokens: torch.Tensor, tp: int) -> torch.Tensor:
-    shards = run_distributed(_our_logits, world_size=tp, args=(load_dir, tokens), timeout=240)
-    return torch.cat(shards, dim=-1)  # [b, s, V_pad]
+def our_logits(load_dir: str, tokens: torch.Tensor, tp: int, cached_from: int | None = None):
+    """``[b, s, V_pad]`` logits at TP ``tp``; with ``cached_from`` also those of positions
+    ``cached_from - 1 ..`` computed with the KV cache."""
+    args = (load_dir, tokens, cached_from)
+    shards = run_distributed(_our_logits, world_size=tp, args=args, timeout=240)
+    if cached_from is None:
+        return torch.cat(shards, dim=-1)
+    return tuple(torch.cat(parts, dim=-1) for parts in zip(*shards))
 
 
 def _tokens(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+_SCALED = ("llama3.1", "llama3.2")  # 24 tokens: past their 16-position original context
+_PREFILL = 12
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "llama3.1", "llama3.2", "mistral"])
 def test_converted_models_give_hf_logits_at_every_layout(hf, arch, tmp_path):
     tokens, vocab = _tokens(hf["vocab"]), hf["vocab"]
     with torch.no_grad():
         reference = load_hf(hf[arch])(tokens).logits.float()
+    if arch in _SCALED:  # the test would see a converter that dropped the scaling
+        plain = dict(rope_type="default", rope_theta=500000.0)
+        with torch.no_grad():
+            unscaled = load_hf(hf[arch], rope_parameters=plain)(tokens).logits.float()
+        assert (unscaled - reference).abs().max() > 1e-3
+    tied = arch in ("gpt2", "llama3.2")
     for tp, pp in [(1, 1), (2, 1), (1, 2), (2, 2)]:
         ckpt = convert(hf[arch], tmp_path / f"tp{tp}pp{pp}", tp, pp)
         files = os.listdir(os.path.join(ckpt, "iter_0000000"))
-        assert sum(f.startswith("layer_") for f in files) == (
-            0 if pp == 1 else tp * (5 if arch == "gpt2" else 6)
-        )
-        logits = our_logits(ckpt, tokens, tp)
+        assert sum(f.startswith("layer_") for f in files) == (0 if pp == 1 else tp * (6 - tied))
+        logits = our_logits(ckpt, tokens, tp, _PREFILL if arch in _SCALED else None)
+        if arch in _SCALED:
+            logits, cached = logits
+            want = reference[:, _PREFILL - 1 :]
+            torch.testing.assert_close(cached[..., :vocab], want, rtol=0, atol=1e-5)
         assert logits.shape[-1] == 512  # padded for TP
         torch.testing.assert_close(logits[..., :vocab], reference, rtol=0, atol=1e-5)
         assert (logits[..., vocab:] == 0).all()  # zero rows for the padding
@@ -141,7 +196,7 @@ def test_pretrain_gpt_trains_from_the_conversion(hf, arch, tp, pp, how, tmp_path
                                exported, rtol=0, atol=1e-5)  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "llama3.1", "mistral"])
 def test_round_trip_back_to_hf_is_weight_identical(hf, arch, tmp_path):
     from safetensors.torch import load_file
 
@@ -168,6 +223,193 @@ def test_round_trip_back_to_hf_is_weight_identical(hf, arch, tmp_path):
     keys = ["vocab_size", "hidden_size", "num_key_value_heads", "rms_norm_eps", "n_embd",
             "n_head", "activation_function", "tie_word_embeddings", "model_type"]  # fmt: skip
     assert {k: got.get(k) for k in keys if k in want} == {k: want[k] for k in keys if k in want}
+    if arch != "gpt2":  # as transformers reads them: RoPE (written in the Hub's spelling), class
+        from transformers import AutoConfig
+
+        want, got = AutoConfig.from_pretrained(hf[arch]), AutoConfig.from_pretrained(str(out))
+        assert type(got) is type(want) and got.architectures == want.architectures
+        assert got.rope_parameters == want.rope_parameters
+        assert getattr(got, "sliding_window", None) is getattr(want, "sliding_window", None)
+    if arch == "mistral":  # the same computation, exported under LLaMA's name on request
+        tool("checkpoint/convert_megatron_to_hf.py", "--load", ckpt, "--save", tmp_path / "as",
+             "--hf-model-type", "llama")  # fmt: skip
+        with open(tmp_path / "as" / "config.json") as f:
+            assert json.load(f)["architectures"] == ["LlamaForCausalLM"]
+
+
+# The Hub's config.json of each family (transformers 4.4x spelling), against the --model presets
+_HUB = dict(
+    hidden_act="silu",
+    rms_norm_eps=1e-5,
+    vocab_size=128256,
+    num_key_value_heads=8,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    mlp_bias=False,
+    pretraining_tp=1,
+    model_type="llama",
+)
+_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32)
+_META_SCALING = dict(
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+    rope_type="llama3",
+)
+_HUB_31 = dict(_HUB, max_position_embeddings=131072, rope_scaling=_META_SCALING)
+_HUB_32 = dict(_HUB_31, tie_word_embeddings=True, rope_scaling=dict(_META_SCALING, factor=32.0))
+HUB_CONFIGS = {
+    "llama3-8b": dict(_HUB, **_8B, max_position_embeddings=8192, rope_scaling=None),
+    "llama3.1-8b": dict(_HUB_31, **_8B),
+    "llama3.1-70b": dict(
+        _HUB_31,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+    ),
+    "llama3.2-1b": dict(
+        _HUB_32,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        head_dim=64,
+    ),
+    "llama3.2-3b": dict(
+        _HUB_32,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        head_dim=128,
+    ),
+    "mistral-7b": dict(
+        _8B,
+        model_type="mistral",
+        hidden_act="silu",
+        num_key_value_heads=8,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        vocab_size=32768,
+    ),
+}
+_ARCHITECTURE = """num_layers hidden_size num_attention_heads num_query_groups ffn_hidden_size
+vocab_size max_position_embeddings norm_epsilon rotary_base use_rope_scaling rope_scaling_factor
+rope_scaling_low_freq_factor rope_scaling_high_freq_factor
+rope_scaling_original_max_position_embeddings untie_embeddings_and_output_weights""".split()
+
+
+@pytest.mark.parametrize("preset", sorted(HUB_CONFIGS))
+def test_hub_configs_import_as_the_presets(preset):
+    from megatron_tempnet.inference.hf_weights import model_config_from_hf
+    from megatron_tempnet.models.gpt import ModelConfig
+
+    got, want = model_config_from_hf(HUB_CONFIGS[preset]), ModelConfig.from_preset(preset)
+    assert {k: getattr(got, k) for k in _ARCHITECTURE} == {
+        k: getattr(want, k) for k in _ARCHITECTURE
+    }
+    assert got.hf_model_type == (want.hf_model_type or "llama")
+
+
+def _spellings() -> list[dict]:
+    """One LLaMA-3.1-style config in transformers 5's spelling (``rope_parameters``) and in the
+    Hub's (``rope_theta`` + ``rope_scaling``, with ``rope_type`` or the older ``type``)."""
+    from transformers import LlamaConfig
+
+    v5 = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_parameters=dict(LLAMA31_ROPE),
+    ).to_dict()
+    scaling = {k: v for k, v in LLAMA31_ROPE.items() if k != "rope_theta"}
+    hub = {k: v for k, v in v5.items() if k != "rope_parameters"}
+    hub.update(rope_theta=500000.0, rope_scaling=scaling)
+    typed = {("type" if k == "rope_type" else k): v for k, v in scaling.items()}
+    return [v5, hub, dict(hub, rope_scaling=typed)]
+
+
+def test_both_rope_spellings_convert_equal():
+    from megatron_tempnet.inference.hf_weights import hf_config, model_config_from_hf
+
+    v5, hub, typed = (model_config_from_hf(c) for c in _spellings())
+    assert v5 == hub == typed
+    scaling = v5.rope().scaling
+    assert (v5.rotary_base, scaling.factor, scaling.low_freq_factor) == (500000, 4.0, 0.25)
+    assert (scaling.high_freq_factor, scaling.original_max_position_embeddings) == (2.0, 16)
+    exported = hf_config(v5, torch.float32)
+    assert exported["rope_theta"] == 500000.0
+    assert exported["rope_scaling"] == {k: v for k, v in LLAMA31_ROPE.items() if k != "rope_theta"}
+
+
+# (family, changes to its config, what the error must say); None removes a key
+REFUSED = [
+    ("llama", dict(rope_scaling=dict(rope_type="linear", factor=2.0)), "rope_type 'linear'"),
+    ("llama", dict(rope_scaling=dict(type="dynamic", factor=2.0)), "rope_type 'dynamic'"),
+    (
+        "llama",
+        dict(rope_scaling=None, rope_parameters=dict(rope_type="yarn", factor=4.0)),
+        "rope_parameters rope_type 'yarn'",
+    ),
+    ("llama", dict(rope_scaling=dict(rope_type="longrope", long_factor=[2.0])), "'longrope'"),
+    ("llama", dict(rope_scaling=dict(LLAMA31_ROPE, low_freq_factor=None)), "lacks low_freq_fac"),
+    ("llama", dict(rope_scaling=dict(LLAMA31_ROPE, attention_factor=0.5)), "attention_factor=0.5"),
+    (
+        "llama",
+        dict(rope_parameters=dict(rope_type="default", rope_theta=1e4)),
+        "config.json gives rope_theta=500000.0 and rope_parameters gives rope_theta=10000.0",
+    ),
+    (
+        "llama",
+        dict(rope_scaling=None, rope_parameters=dict(full_attention=dict(rope_type="default"))),
+        "per layer type",
+    ),
+    ("llama", dict(rope_scaling=None, rope_theta=10000.5), "rope_theta=10000.5"),
+    ("llama", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+    ("llama", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    ("llama", dict(head_dim=32), "head_dim=32"),
+    ("llama", dict(attention_bias=True), "attention_bias=True with mlp_bias=False"),
+    ("llama", dict(layer_types=["sliding_attention"] * 2), "['sliding_attention']"),
+    ("llama", dict(model_type="qwen2"), "model_type 'qwen2'"),
+    ("mistral", dict(sliding_window=4096), "mistral sliding_window=4096"),
+]
+
+
+@pytest.mark.parametrize("family,changes,message", REFUSED)
+def test_settings_the_model_does_not_compute_are_refused(family, changes, message):
+    from megatron_tempnet.inference.hf_weights import model_config_from_hf
+    from megatron_tempnet.trainer.checkpoint_format import CheckpointError
+
+    config = _spellings()[1] if family == "llama" else dict(HUB_CONFIGS["mistral-7b"])
+    config.update(changes)
+    config = {k: v for k, v in config.items() if v is not None or k == "rope_scaling"}
+    with pytest.raises(CheckpointError) as error:
+        model_config_from_hf(config)
+    assert message in str(error.value)
+
+
+def test_exported_configs_build_the_right_transformers_classes():
+    """Mistral stays Mistral (no sliding window), LLaMA-3.2 keeps tied embeddings and scaling."""
+    from transformers import AutoConfig, LlamaConfig, MistralConfig
+
+    from megatron_tempnet.inference.hf_weights import hf_config, model_config_from_hf
+
+    for preset, cls in [("mistral-7b", MistralConfig), ("llama3.2-1b", LlamaConfig)]:
+        exported = hf_config(model_config_from_hf(HUB_CONFIGS[preset]), torch.bfloat16)
+        config = AutoConfig.for_model(exported.pop("model_type"), **exported)
+        hub = dict(HUB_CONFIGS[preset])
+        hub = AutoConfig.for_model(hub.pop("model_type"), **hub)
+        assert type(config) is cls and config.architectures == [cls.__name__[:-6] + "ForCausalLM"]
+        for key in ("rope_parameters", "tie_word_embeddings", "head_dim", "num_key_value_heads"):
+            assert getattr(config, key) == getattr(hub, key), key
+        assert getattr(config, "sliding_window", None) is None
 
 
 def test_conversion_errors_are_clear(hf, tmp_path):
@@ -185,6 +427,17 @@ def test_conversion_errors_are_clear(hf, tmp_path):
     again = tool("checkpoint/convert_hf_to_megatron.py", "--hf-dir", hf["llama"], "--save", ckpt,
                  check=False)  # fmt: skip
     assert again.returncode == 1 and "--overwrite" in again.stderr
+    windowed = tmp_path / "windowed"
+    os.makedirs(windowed)
+    os.symlink(os.path.join(hf["mistral"], "model.safetensors"), windowed / "model.safetensors")
+    with open(os.path.join(hf["mistral"], "config.json")) as f:
+        config = dict(json.load(f), sliding_window=4096)
+    with open(windowed / "config.json", "w") as f:
+        json.dump(config, f)
+    window = tool("checkpoint/convert_hf_to_megatron.py", "--hf-dir", windowed, "--save",
+                  tmp_path / "v", check=False)  # fmt: skip
+    assert window.returncode == 1 and "sliding_window=4096" in window.stderr
+    assert "Traceback" not in window.stderr and not os.path.exists(tmp_path / "v" / "latest")
     missing = tool("checkpoint/convert_megatron_to_hf.py", "--load", tmp_path / "none",
                    "--save", tmp_path / "out", check=False)  # fmt: skip
     assert missing.returncode == 1 and "--load" in missing.stderr

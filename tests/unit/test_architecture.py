@@ -121,11 +121,14 @@ max-position-embeddings merge-file metrics-file micro-batch-size min-lr model no
 no-bias-gelu-fusion no-bias-swiglu-fusion no-fused-output-stage no-load-optim no-tempnet-stop-grad
 norm-epsilon num-workers normalization num-attention-heads num-layers num-query-groups openai-gelu
 output-stage-chunk-size pipeline-model-parallel-size position-embedding-type pretrained-checkpoint
-recompute-activations reset-attention-mask reset-position-ids rotary-base save save-interval seed
+recompute-activations reset-attention-mask reset-position-ids rope-scaling-factor
+rope-scaling-high-freq-factor rope-scaling-low-freq-factor
+rope-scaling-original-max-position-embeddings rotary-base save save-interval seed
 seq-length split swiglu tau-source tempnet-hidden-size tempnet-lr tempnet-proj-size tempnet-rho
 tempnet-tau-max tempnet-tau-min tempnet-weight-decay tensor-model-parallel-size tensorboard-dir
-tokenizer-model tokenizer-type train-iters untie-embeddings-and-output-weights vocab-file
-wandb-entity wandb-exp-name wandb-project wandb-save-dir weight-decay yaml-cfg zero-stage"""
+tokenizer-model tokenizer-type train-iters untie-embeddings-and-output-weights use-rope-scaling
+vocab-file wandb-entity wandb-exp-name wandb-project wandb-save-dir weight-decay yaml-cfg
+zero-stage"""
 CLIP_FLAGS = """adam-beta1 adam-beta2 adam-eps attention-backend bf16 caption-key caption-noise
 clip-grad clip-loss context-length data-cache-path deepspeed-config embed-dim eval-batch-size
 eval-interval eval-iters exit-duration-in-mins exit-interval finetune fp16 global-batch-size

@@ -127,3 +127,44 @@ def test_without_stop_grad_the_logits_get_tau_s_gradient():
 
     values = tuple(p.detach().clone().requires_grad_() for p in net.parameters())
     assert torch.autograd.gradcheck(f, (logits.detach().clone().requires_grad_(), *values))
+
+
+@pytest.mark.parametrize(
+    "vocab,tp,padded,columns",
+    [
+        (32000, 2, 32000, [16000, 16000]),
+        (32000, 4, 32256, [8064, 8064, 8064, 7808]),
+        (128256, 1, 128256, [128256]),
+        (128256, 2, 128256, [64128, 64128]),
+        (128256, 4, 128512, [32128, 32128, 32128, 31872]),
+    ],
+)
+def test_w1_is_split_like_the_logits_at_llama3_vocabulary(vocab, tp, padded, columns, monkeypatch):
+    """LLaMA-3's 128256 tokens: the vocabulary is padded to a multiple of 128 x TP (none at TP 1
+    and 2, 256 rows at TP 4), each rank's W1 holds the true columns of the output layer's rows
+    on that rank (megatron-core's vocabulary range), and the parameters are Table 13's formula.
+    Built on the meta device: no memory for the 33M-parameter W1."""
+    from megatron.core.tensor_parallel.utils import VocabUtility
+
+    from megatron_tempnet.distributed.groups import TPGroup
+    from megatron_tempnet.models.transformer import padded_vocab_size
+    from megatron_tempnet.tempnet import llm
+
+    assert padded_vocab_size(vocab, 128, tp) == padded
+    monkeypatch.setattr(llm, "resolve_tp_group", lambda group: group)  # a rank of a TP group
+    d1 = d2 = 256
+    replicated = d1 + d1 * d2 + d2 + 2  # b1, W2, w3, b, log phi
+    w1_columns = []
+    for rank in range(tp):
+        with torch.device("meta"):
+            net = llm.TempNetLM(vocab, tp_group=TPGroup(None, rank, tp), padded_vocab_size=padded)
+        start, end = VocabUtility.vocab_range_from_global_vocab_size(padded, rank, tp)
+        assert (net.part.start, net.part.end) == (start, end)
+        assert net.weight1.shape == (d1, min(end, vocab) - start)
+        assert sum(p.numel() for p in net.parameters()) == net.weight1.shape[1] * d1 + replicated
+        w1_columns.append(net.weight1.shape[1])
+    assert w1_columns == columns and sum(columns) == vocab
+    with torch.device("meta"):
+        whole = llm.TempNetLM(vocab, tp_group=TPGroup(None, 0, 1))
+    expected = {32000: 8_258_050, 128256: 32_899_586}[vocab]
+    assert sum(p.numel() for p in whole.parameters()) == vocab * d1 + replicated == expected

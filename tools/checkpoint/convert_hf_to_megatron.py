@@ -1,7 +1,14 @@
-"""Convert a Hugging Face LLaMA-1/2 or GPT-2 model directory into a checkpoint of this project.
+"""Convert a Hugging Face LLaMA-1/2/3.x, Mistral or GPT-2 model directory into a checkpoint of
+this project.
 
     python tools/checkpoint/convert_hf_to_megatron.py --hf-dir Llama-2-70b-chat-hf \
         --target-tp 8 --target-pp 2 --save checkpoints/llama2-70b-chat
+
+LLaMA-3.1/3.2's RoPE scaling (``rope_type: llama3``, in ``rope_scaling`` or transformers 5's
+``rope_parameters``) becomes ``--use-rope-scaling`` and its ``--rope-scaling-*`` values; a
+setting the model here does not compute (another RoPE type, a sliding window, a ``head_dim``
+other than hidden / heads, an activation other than SiLU, ...) stops the tool with its name
+and value before anything is written.
 
 The result loads with ``pretrain_gpt.py --load DIR`` (weights only: the run starts at iteration
 0), ``--load DIR --finetune`` or ``--pretrained-checkpoint DIR``, with the same TP and PP and the

@@ -3,16 +3,20 @@
     python tools/checkpoint/convert_megatron_to_hf.py --load checkpoints/run --save hf-out \
         [--dtype bf16] [--max-shard-size-gb 5] [--tokenizer-dir Llama-2-7b-hf]
 
-LLaMA-shaped models (RMSNorm, SwiGLU, RoPE) become ``LlamaForCausalLM``, GPT-2-shaped ones
-``GPT2LMHeadModel``: ``config.json`` plus ``model-0000i-of-0000n.safetensors`` shards and their
-index. Tensors are merged over TP ranks and read one at a time (files are memory-mapped), so
-memory holds one output shard. TempNet is not part of the HF model: export it with
-``tools/export_tempnet.py`` and use it through ``TempNetLogitsProcessor``.
+LLaMA-shaped models (RMSNorm, SwiGLU, RoPE) become ``LlamaForCausalLM`` (with ``rope_scaling``
+for --use-rope-scaling), or ``MistralForCausalLM`` when the checkpoint's model is recorded as
+Mistral (``--model mistral-7b`` or a converted Mistral; ``--hf-model-type`` chooses otherwise:
+both compute the same), GPT-2-shaped ones ``GPT2LMHeadModel``: ``config.json`` plus
+``model-0000i-of-0000n.safetensors`` shards and their index. Tensors are merged over TP ranks and
+read one at a time (files are memory-mapped), so memory holds one output shard. TempNet is not
+part of the HF model: export it with ``tools/export_tempnet.py`` and use it through
+``TempNetLogitsProcessor``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -42,6 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="cast the weights (default: keep)")
     p.add_argument("--max-shard-size-gb", type=float, default=5.0)
     p.add_argument("--tokenizer-dir", help="copy the tokenizer files of this HF directory")
+    p.add_argument(
+        "--hf-model-type",
+        choices=("llama", "mistral"),
+        help="export a LLaMA-shaped model as this model_type (default: the checkpoint's record, "
+        "else llama)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace files in --save")
     return p.parse_args(argv)
 
@@ -57,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.isfile(os.path.join(args.save, "config.json")) and not args.overwrite:
         raise CheckpointError(f"--save {args.save} already holds a model: use --overwrite")
     model = reader.model
+    if args.hf_model_type:
+        model = dataclasses.replace(model, hf_model_type=args.hf_model_type)
     names = [n for n in reader.names() if not n.startswith("tempnet.")]
     first = reader.full(names[0])
     dtype = DTYPES.get(args.dtype, first.dtype)

@@ -1,9 +1,14 @@
-"""GPT-2 and LLaMA-1/2 architectures: the config, the ``--model`` presets, flags that rebuild one.
+"""GPT-2, LLaMA-1/2/3 and Mistral architectures: the config, the ``--model`` presets, flags that
+rebuild one.
 
 GPT-2: learned absolute positions, LayerNorm, GELU MLP with biases, input and output embeddings
 tied. LLaMA: RoPE, RMSNorm, SwiGLU MLP without biases, untied embeddings, grouped-query attention
-(``num_query_groups`` key/value heads). Both are built from megatron-core's layers (``layers``);
-tensor parallelism splits attention heads, MLP columns and the vocabulary as in Megatron-LM.
+(``num_query_groups`` key/value heads). LLaMA-3 changes the numbers (128256 tokens, RoPE base
+500000, 8 key/value groups at every size); LLaMA-3.1 and 3.2 add RoPE frequency scaling
+(``--use-rope-scaling``, ``models.transformer.Llama3RopeScaling``) and 3.2 ties the embeddings.
+Mistral-7B (v0.3, no sliding window) is the LLaMA computation with its own numbers. All are built
+from megatron-core's layers (``layers``); tensor parallelism splits attention heads, MLP columns
+and the vocabulary as in Megatron-LM.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_tempnet.models.transformer import (
+    Llama3RopeScaling,
     ModelConfigError,
+    Rope,
     TransformerShape,
     padded_vocab_size,
     preset_fields,
@@ -46,6 +53,27 @@ _LLAMA = dict(
     max_position_embeddings=4096,
     vocab_size=32000,
 )
+_LLAMA3 = dict(
+    _LLAMA,
+    vocab_size=128256,
+    rotary_base=500000,
+    num_query_groups=8,
+    seq_length=8192,
+    max_position_embeddings=8192,
+)
+# 3.1 and 3.2: trained at 8192 positions, scaled to 131072
+_LLAMA31 = dict(
+    _LLAMA3,
+    max_position_embeddings=131072,
+    use_rope_scaling=True,
+    rope_scaling_factor=8.0,
+    rope_scaling_low_freq_factor=1.0,
+    rope_scaling_high_freq_factor=4.0,
+    rope_scaling_original_max_position_embeddings=8192,
+)
+_LLAMA32 = dict(_LLAMA31, rope_scaling_factor=32.0, untie_embeddings_and_output_weights=False)
+_LLAMA3_8B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=14336)
+_LLAMA3_70B = dict(num_layers=80, hidden_size=8192, num_attention_heads=64, ffn_hidden_size=28672)
 PRESETS: dict[str, dict] = {
     "tiny": _TINY,
     "gpt2-125m": _GPT2_125M,
@@ -63,8 +91,37 @@ PRESETS: dict[str, dict] = {
         num_query_groups=8,
         ffn_hidden_size=28672,
     ),
+    "llama3-8b": dict(_LLAMA3, **_LLAMA3_8B),
+    "llama3-70b": dict(_LLAMA3, **_LLAMA3_70B),
+    "llama3.1-8b": dict(_LLAMA31, **_LLAMA3_8B),
+    "llama3.1-70b": dict(_LLAMA31, **_LLAMA3_70B),
+    "llama3.1-405b": dict(
+        _LLAMA31, num_layers=126, hidden_size=16384, num_attention_heads=128, ffn_hidden_size=53248
+    ),
+    "llama3.2-1b": dict(
+        _LLAMA32, num_layers=16, hidden_size=2048, num_attention_heads=32, ffn_hidden_size=8192
+    ),
+    "llama3.2-3b": dict(
+        _LLAMA32, num_layers=28, hidden_size=3072, num_attention_heads=24, ffn_hidden_size=8192
+    ),
+    # v0.3: no sliding window; max_position_embeddings is its config's, 8192 tokens per sample
+    "mistral-7b": dict(
+        _LLAMA,
+        vocab_size=32768,
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=14336,
+        rotary_base=1000000,
+        seq_length=8192,
+        max_position_embeddings=32768,
+        hf_model_type="mistral",
+    ),
 }
 """``--model``: architectures by name; every other model flag overrides its preset's value."""
+
+HF_MODEL_TYPES = ("llama", "mistral", "gpt2")
 
 
 @dataclass
@@ -81,11 +138,29 @@ class ModelConfig(TransformerShape):
     """Learned absolute positions (GPT-2) or rotary embeddings (LLaMA)."""
     rotary_base: int = 10000
     """RoPE's base."""
+    use_rope_scaling: bool = False
+    """Scale RoPE's frequencies as LLaMA-3.1 and 3.2 do (Hugging Face's rope_type llama3), with
+    the four --rope-scaling-* values."""
+    rope_scaling_factor: float = 8.0
+    """What the slowest RoPE frequencies are divided by (--use-rope-scaling; LLaMA-3.1: 8,
+    LLaMA-3.2: 32)."""
+    rope_scaling_low_freq_factor: float = 1.0
+    """Frequencies that turn at most this many times over
+    --rope-scaling-original-max-position-embeddings are divided by the whole factor."""
+    rope_scaling_high_freq_factor: float = 4.0
+    """Frequencies that turn at least this many times over
+    --rope-scaling-original-max-position-embeddings are kept; those in between are blended."""
+    rope_scaling_original_max_position_embeddings: int = 8192
+    """The context length the model was first trained at, which the scaling extends."""
     vocab_size: int | None = derived()
     """The true vocabulary size (from the tokenizer)."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this x the tensor-parallel size (padded columns are
     excluded from every loss)."""
+    hf_model_type: str | None = derived()
+    """The Hugging Face model_type the model is exported as (llama, mistral or gpt2; None: llama
+    or gpt2 by its shape). Set by --model mistral-7b and by the Hugging Face import; it does not
+    change the computation."""
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> ModelConfig:
@@ -96,6 +171,20 @@ class ModelConfig(TransformerShape):
         return padded_vocab_size(
             self.vocab_size, self.make_vocab_size_divisible_by, tensor_parallel_size
         )
+
+    def rope(self) -> Rope | None:
+        """The layers' rotary embedding (None: learned absolute positions)."""
+        if self.position_embedding_type != "rope":
+            return None
+        scaling = None
+        if self.use_rope_scaling:
+            scaling = Llama3RopeScaling(
+                factor=self.rope_scaling_factor,
+                low_freq_factor=self.rope_scaling_low_freq_factor,
+                high_freq_factor=self.rope_scaling_high_freq_factor,
+                original_max_position_embeddings=self.rope_scaling_original_max_position_embeddings,
+            )
+        return Rope(base=self.rotary_base, scaling=scaling)
 
     def validate(self, tensor_parallel_size: int = 1) -> None:
         """Raise ``ModelConfigError`` naming the flags when the model cannot be built."""
@@ -110,6 +199,39 @@ class ModelConfig(TransformerShape):
                 f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
                 f"({self.max_position_embeddings})"
             )
+        if self.hf_model_type not in (None, *HF_MODEL_TYPES):
+            raise ModelConfigError(
+                f"hf_model_type {self.hf_model_type!r}: expected one of {', '.join(HF_MODEL_TYPES)}"
+            )
+        if self.use_rope_scaling:
+            self._validate_rope_scaling()
+
+    def _validate_rope_scaling(self) -> None:
+        low, high = self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor
+        checks = [
+            (
+                self.position_embedding_type == "rope",
+                "--use-rope-scaling needs --position-embedding-type rope (got "
+                f"{self.position_embedding_type})",
+            ),
+            (
+                self.rope_scaling_factor >= 1,
+                f"--rope-scaling-factor ({self.rope_scaling_factor}) must be >= 1",
+            ),
+            (
+                0 < low < high,
+                f"--rope-scaling-low-freq-factor ({low}) must be > 0 and < "
+                f"--rope-scaling-high-freq-factor ({high})",
+            ),
+            (
+                self.rope_scaling_original_max_position_embeddings >= 1,
+                "--rope-scaling-original-max-position-embeddings "
+                f"({self.rope_scaling_original_max_position_embeddings}) must be >= 1",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ModelConfigError(message)
 
 
 def model_flags(model: ModelConfig) -> list[str]:
@@ -128,10 +250,21 @@ def model_flags(model: ModelConfig) -> list[str]:
         pairs.append(("--num-query-groups", model.num_query_groups))
     if model.position_embedding_type == "rope":
         pairs.append(("--rotary-base", model.rotary_base))
+    if model.use_rope_scaling:
+        pairs += [
+            ("--rope-scaling-factor", model.rope_scaling_factor),
+            ("--rope-scaling-low-freq-factor", model.rope_scaling_low_freq_factor),
+            ("--rope-scaling-high-freq-factor", model.rope_scaling_high_freq_factor),
+            (
+                "--rope-scaling-original-max-position-embeddings",
+                model.rope_scaling_original_max_position_embeddings,
+            ),
+        ]
     switches = {
         "--swiglu": model.swiglu,
         "--openai-gelu": model.openai_gelu,
         "--untie-embeddings-and-output-weights": model.untie_embeddings_and_output_weights,
+        "--use-rope-scaling": model.use_rope_scaling,
         "--disable-bias-linear": not model.add_bias_linear,
     }
     flags = [str(x) for pair in pairs for x in pair]

@@ -7,7 +7,8 @@ flat list:
 
     WordEmbedding     (tokens, position_ids) -> (word embeddings [b, s, h], position_ids)
     EmbeddingOutput   + learned positions, [b, s, h] -> [s, b, h], dropout
-    TransformerPiece  x num_layers, [s, b, h] -> [s, b, h] (RoPE computed in each layer)
+    TransformerPiece  x num_layers, [s, b, h] -> [s, b, h] (RoPE, scaled or not, computed in
+                      each layer)
     FinalNorm         [s, b, h]
     output layer      [s, b, h] -> logits [b, s, V_pad/tp] (tied: the WordEmbedding's weight)
 
@@ -164,7 +165,7 @@ def gpt_layer_specs(
     layer_spec = attention_layer_spec(model.normalization, model.attention_backend)
     vocab = model.padded_vocab_size(tensor_parallel_size)
     tied = not model.untie_embeddings_and_output_weights
-    rope = dict(rotary_base=model.rotary_base) if model.position_embedding_type == "rope" else None
+    rope = model.rope()
     if tied:
         tied_weight = {"tied_weight_attr": ["word_embeddings.weight"]}
         embedding = TiedLayerSpec(EMBEDDING_KEY, WordEmbedding, config, vocab, True, **tied_weight)
