@@ -38,6 +38,7 @@ from megatron_tempnet.trainer.checkpoint_format import (
     tag_for,
 )
 from megatron_tempnet.trainer.portable import PortableState, has_portable_state
+from megatron_tempnet.utils.progress import progress
 
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 TEMPNET_PREFIX = "tempnet."
@@ -246,14 +247,16 @@ def write_checkpoint(
             config=run_config,
             note=note,
         )
-    else:
-        for index in range(model.num_layers + 3 + model.untie_embeddings_and_output_weights):
+    pieces = model.num_layers + 3 + model.untie_embeddings_and_output_weights
+    with progress(f"writing {save_dir}", pieces * tp, unit="file") as bar:
+        for index in range(pieces):
             keys = [n for n in names if n.startswith(f"pieces.{index}.")]
             for rank in range(tp):
                 piece = {k.split(".", 2)[2]: v for k, v in sharded(rank, keys).items()}
                 _save(piece, out, f"layer_{index:02d}-model_{rank:02d}-model_states.pt")
-        for rank in range(tp * pp):
-            _save(_mp_state(None, tp * pp, run_config), out, f"mp_rank_{rank:02d}_model_states.pt")
+                bar.update(1)
+    for rank in range(tp * pp):
+        _save(_mp_state(None, tp * pp, run_config), out, f"mp_rank_{rank:02d}_model_states.pt")
     with open(os.path.join(out, WEIGHTS_ONLY), "w") as f:
         f.write(note or "Weights only: no optimizer, RNG or data position.\n")
     publish_latest(save_dir, tag)
@@ -273,12 +276,13 @@ def write_module_checkpoint(
     tag = tag_for(0)
     out = os.path.join(save_dir, tag)
     os.makedirs(out, exist_ok=True)
-    for rank in range(tensor_parallel):
-        module = module_of_rank(rank)
-        _save(
-            _mp_state(module, tensor_parallel, config), out, f"mp_rank_{rank:02d}_model_states.pt"
-        )
-        del module  # one rank's share in memory at a time
+    with progress(f"writing {save_dir}", tensor_parallel, unit="file") as bar:
+        for rank in range(tensor_parallel):
+            module = module_of_rank(rank)
+            name = f"mp_rank_{rank:02d}_model_states.pt"
+            _save(_mp_state(module, tensor_parallel, config), out, name)
+            del module  # one rank's share in memory at a time
+            bar.update(1)
     with open(os.path.join(out, WEIGHTS_ONLY), "w") as f:
         f.write(note or "Weights only: no optimizer, RNG or data position.\n")
     publish_latest(save_dir, tag)

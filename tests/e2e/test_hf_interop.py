@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -62,8 +63,13 @@ def tool(script: str, *args, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def convert(hf_dir: str, out, tp: int = 1, pp: int = 1) -> str:
-    tool("checkpoint/convert_hf_to_megatron.py", "--hf-dir", hf_dir, "--save", out,
-         "--target-tp", tp, "--target-pp", pp)  # fmt: skip
+    r = tool("checkpoint/convert_hf_to_megatron.py", "--hf-dir", hf_dir, "--save", out,
+             "--target-tp", tp, "--target-pp", pp)  # fmt: skip
+    # progress without a terminal: a closing line over the weight files (PP 2: one per piece)
+    done = re.search(rf"writing {re.escape(str(out))}: 100% (\d+)/(\d+) file in ", r.stderr)
+    kind = "layer_" if pp > 1 else "mp_rank_"
+    written = [f for f in os.listdir(os.path.join(out, "iter_0000000")) if f.startswith(kind)]
+    assert done and int(done[1]) == int(done[2]) == len(written), r.stderr
     return str(out)
 
 
@@ -205,7 +211,9 @@ def test_round_trip_back_to_hf_is_weight_identical(hf, arch, tmp_path):
     r = tool("checkpoint/convert_megatron_to_hf.py", "--load", ckpt, "--save", out,
              "--max-shard-size-gb", 0.0001)  # about 100 KB: several shards  # fmt: skip
     assert "shard(s)" in r.stdout
-    original = load_file(os.path.join(hf[arch], "model.safetensors"))
+    n = len(original := load_file(os.path.join(hf[arch], "model.safetensors")))
+    done = re.search(rf"converting {re.escape(ckpt)}: 100% (\d+)/(\d+) tensor in ", r.stderr)
+    assert done and done[1] == done[2] and 0 < int(done[1]) <= n, r.stderr  # ours: qkv merged
     with open(out / "model.safetensors.index.json") as f:
         index = json.load(f)
     shards = sorted(set(index["weight_map"].values()))

@@ -28,6 +28,7 @@ from megatron_tempnet.inference.checkpoint_io import CheckpointReader
 from megatron_tempnet.inference.hf_weights import hf_config, to_hf
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 from megatron_tempnet.utils.cli import run_tool
+from megatron_tempnet.utils.progress import progress
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TOKENIZER_FILES = (
@@ -74,9 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES.get(args.dtype, first.dtype)
     config = hf_config(model, dtype)  # raises for models with no HF equivalent
     os.makedirs(args.save, exist_ok=True)
-    shards = _write_shards(
-        to_hf(model, reader.full, names), args.save, dtype, int(args.max_shard_size_gb * 2**30)
-    )
+    with progress(f"converting {args.load}", len(names), unit="tensor") as bar:
+
+        def read(name: str) -> torch.Tensor:  # to_hf reads each tensor once, in order
+            tensor = reader.full(name)
+            bar.update(1)
+            return tensor
+
+        max_bytes = int(args.max_shard_size_gb * 2**30)
+        shards = _write_shards(to_hf(model, read, names), args.save, dtype, max_bytes)
     with open(os.path.join(args.save, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     if args.tokenizer_dir:
