@@ -11,8 +11,9 @@ joins the documents (with end-of-document tokens) into one stream cut into windo
 to ``--output``: ``ppl = exp(mean CE)``, ``tllm_ppl = exp(mean CE of softmax(logits / tau))`` with
 tau from TempNet (or ``--fixed-tau``), and tau statistics. Windows of every document are scored
 ``--micro-batch-size`` at a time (right-padded; the values do not depend on the batch).
-``--per-token-output`` writes one JSON object per scored stream/document with every target's
-``ce``, ``tllm_logprob`` and ``tau``.
+``--per-token-output`` writes one JSON object per scored stream/document with its first token's
+text (``prompt``) and every target's text (``tokens``), id (``targets``), ``ce``, ``tllm_logprob``
+and ``tau``: ``tools/visualize_tau.py`` renders it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from megatron_tempnet.inference.cli import (
     load_from_args,
 )
 from megatron_tempnet.inference.evaluation import merge, score_sequences, summarise, windows
+from megatron_tempnet.inference.generation import long_token_texts
 from megatron_tempnet.inference.model import InferenceError
 from megatron_tempnet.utils.cli import run_tool
 from megatron_tempnet.utils.files import write_atomic
@@ -152,13 +154,15 @@ def main(argv: list[str] | None = None) -> int:
                 json.dumps(
                     {
                         "index": i,
+                        "prompt": tokenizer.detokenize(d[:1]),  # the first token: not scored
+                        "tokens": long_token_texts(tokenizer.detokenize, s.targets, d[:1]),
                         "targets": s.targets,
                         "ce": s.ce,
                         "tllm_logprob": [-x for x in s.tllm_ce],
                         "tau": s.tau,
                     }
                 )
-                for i, s in enumerate(scores)
+                for i, (s, d) in enumerate(zip(scores, documents))
             ]
             write_atomic(args.per_token_output, "".join(r + "\n" for r in rows))
     dist.barrier()

@@ -3,7 +3,9 @@
     python tools/visualize_tau.py --input gen.jsonl --output-prefix out/tau [--index 0 2] \
         [--format html png] [--cmap coolwarm] [--vmin 0.5 --vmax 1.5] [--width-chars 100]
 
-Input: ``tools/generate.py``'s JSONL (``prompt``, ``tokens``, ``tau`` per line). Writes
+Input: ``tools/generate.py``'s JSONL (``prompt``, ``tokens``, ``tau`` per line) or
+``tools/evaluate.py``'s ``--per-token-output`` (held-out text: its first token as the prompt, each
+later token coloured by the tau it was predicted with). Writes
 ``PREFIX.html`` (one page: the prompt in grey, each generated token on a background coloured by
 its tau over [vmin, vmax], its id and tau on hover, a legend) and ``PREFIX.png`` (all selected
 responses stacked, tokens wrapped at --width-chars, with a colour bar). vmin/vmax default to the
@@ -80,7 +82,7 @@ def render_html(records: list[dict], cmap, vmin: float, vmax: float) -> str:
             f"max {max(taus, default=0):.4f}"
         )
         spans = []
-        ids = r.get("token_ids") or [None] * len(taus)
+        ids = r.get("token_ids") or r.get("targets") or [None] * len(taus)
         for text, tau, tid in zip(r["tokens"], taus, ids):
             title = f"id {tid}, tau {tau:.4f}" if tid is not None else f"tau {tau:.4f}"
             spans.append(

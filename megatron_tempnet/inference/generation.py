@@ -208,6 +208,35 @@ def token_texts(detokenize, token_ids: list[int], prompt: list[int] | None = Non
     return texts
 
 
+def long_token_texts(
+    detokenize,
+    token_ids: list[int],
+    prompt: list[int] | None = None,
+    *,
+    chunk: int = 256,
+    context: int = 16,
+) -> list[str]:
+    """``token_texts`` of a sequence of any length in linear time (tools/evaluate.py's streams).
+
+    The tokens are decoded ``chunk`` at a time after the ``context`` tokens before the chunk
+    (SentencePiece's leading space, a character begun earlier) and with the next few tokens after
+    it (a character completed later): the texts are ``token_texts``'s wherever no token's text
+    depends on more than ``context`` tokens before it.
+    """
+    ids = list(prompt or []) + list(token_ids)
+    texts: list[str] = []
+    for start in range(len(prompt or []), len(ids), chunk):
+        end = min(start + chunk, len(ids))
+        first = max(0, start - context)  # not inside a character: back to its first byte
+        while first > 0 and start - first < context + _UTF8_PARTS:
+            if not detokenize(ids[first:start]).startswith("\ufffd"):
+                break
+            first -= 1
+        before = ids[first:start]
+        texts += token_texts(detokenize, ids[start : end + _UTF8_PARTS], before)[: end - start]
+    return texts
+
+
 _UTF8_PARTS = 3  # a character being decoded waits for at most 3 more bytes (tokens)
 
 

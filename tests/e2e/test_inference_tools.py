@@ -394,6 +394,9 @@ def test_lm_eval_adapter_scores_local_tasks_the_same_at_tp1_and_tp2(setup, tmp_p
     tool("evaluate.py", "--load", setup["run"], "--jsonl", tmp_path / "pairs.jsonl",
          "--documents", "separate", "--per-token-output", tmp_path / "pt.jsonl")  # fmt: skip
     rows = [json.loads(x) for x in (tmp_path / "pt.jsonl").read_text().splitlines()]
+    for row, text in zip(rows, pairs, strict=True):  # texts for tools/visualize_tau.py
+        assert len(row["tokens"]) == len(row["targets"]) == len(row["tau"])
+        assert row["prompt"] + "".join(row["tokens"]) == tok.detokenize(tok.tokenize(text))
     for (task, _doc), sample in samples.items():
         if task != "tiny_mc":
             continue

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_tempnet.data.tokenizers import build_tokenizer
-from megatron_tempnet.inference.generation import token_texts
+from megatron_tempnet.inference.generation import long_token_texts, token_texts
 from tests.helpers.corpus import train_gpt2_bpe
 
 
@@ -31,3 +31,10 @@ def test_a_character_split_by_byte_level_bpe_belongs_to_the_token_completing_it(
     cut = token_texts(tok.detokenize, ids[:-3], prompt_ids)
     assert "".join(cut) == tok.detokenize(prompt_ids + ids[:-3])[len(prompt) :]
     assert "".join(cut[-2:]) == "\ufffd" and "\ufffd" not in "".join(cut[:-2])
+
+    # a long stream in chunks (tools/evaluate.py): the same texts, chunk borders anywhere
+    stream = ids * 3
+    whole = token_texts(tok.detokenize, stream, prompt_ids)
+    for chunk in (1, 2, 5, 7):
+        assert long_token_texts(tok.detokenize, stream, prompt_ids, chunk=chunk, context=4) == whole
+    assert "".join(long_token_texts(tok.detokenize, stream, chunk=5)) == text * 3
