@@ -1,6 +1,7 @@
 # make test        create/refresh .venv, install everything, run the test suite
-# make quickstart  create/refresh .venv; corpus, tokenizer, preprocessing, then a tiny GPT +
-#                  TempNet trained at TP=2 on CPU (examples/quickstart.py)
+# make quickstart  create/refresh .venv; corpus, tokenizer, preprocessing, a tiny GPT then
+#                  TempNet trained at TP=2 on CPU, held-out perplexities and tau per token
+#                  (examples/quickstart.py)
 # make install     only create/refresh .venv
 # make lint     ruff check + format check
 # make bench    loss benchmark (prints a table)

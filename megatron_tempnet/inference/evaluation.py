@@ -180,7 +180,8 @@ def _unfused_scores(model: InferenceModel, inputs, targets, scored, fixed_tau, c
 
 
 def summarise(all_scores: list[TokenScores]) -> dict:
-    """Token-weighted means over documents: losses, perplexities, tau statistics."""
+    """Token-weighted means over documents: losses, perplexities, tau statistics (the std over
+    every token)."""
     import math
 
     ce = [x for s in all_scores for x in s.ce]
@@ -190,13 +191,15 @@ def summarise(all_scores: list[TokenScores]) -> dict:
     if n == 0:
         raise InferenceError("nothing to evaluate: every document is shorter than 2 tokens")
     mean_ce, mean_tllm = sum(ce) / n, sum(tllm) / n
+    tau_mean = sum(tau) / n
     return {
         "tokens": n,
         "ce_loss": mean_ce,
         "ppl": math.exp(mean_ce),
         "tllm_loss": mean_tllm,
         "tllm_ppl": math.exp(mean_tllm),
-        "tau_mean": sum(tau) / n,
+        "tau_mean": tau_mean,
+        "tau_std": math.sqrt(sum((t - tau_mean) ** 2 for t in tau) / n),
         "tau_min": min(tau),
         "tau_max": max(tau),
     }

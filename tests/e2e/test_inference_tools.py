@@ -306,6 +306,9 @@ def test_evaluate_tllm_perplexity_matches_a_reference(setup, tmp_path):
         for row, want in zip(rows, per_doc):
             torch.testing.assert_close(torch.tensor(row["tllm_logprob"], dtype=torch.float64),
                                        -want, rtol=0, atol=2e-5)  # fmt: skip
+        taus = torch.tensor([t for row in rows for t in row["tau"]], dtype=torch.float64)
+        want_std = taus.std(correction=0).item()
+        assert results[tp]["tau_std"] == pytest.approx(want_std, rel=1e-6, abs=1e-9)
     for tp in (1, 2):
         got = results[tp]
         assert got["tokens"] == sum(len(d) - 1 for d in documents) == ce.numel()
