@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from collections.abc import Callable
 
 import torch
 
@@ -184,6 +185,7 @@ def check_deepspeed() -> None:
             "megatron_tempnet/compat.py must be updated for the installed version"
         )
     check_deepspeed_optimizers()
+    check_deepspeed_checkpointing()
     if not deepspeed.__version__.startswith(SUPPORTED_DEEPSPEED):
         raise UpstreamError(
             f"DeepSpeed {deepspeed.__version__} is installed, the project is written for "
@@ -224,6 +226,19 @@ def check_deepspeed_optimizers() -> None:
             "ds_process_group or ds_tensor: "
             "megatron_tempnet/compat.py must be updated for the installed version"
         )
+
+
+def check_deepspeed_checkpointing() -> None:
+    """What ``checkpoint_engine_class`` overrides and ``checkpoint_safe_globals`` names."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    owner = "deepspeed TorchCheckpointEngine"
+    _require(TorchCheckpointEngine, "save", ("state_dict", "path"), owner=owner)
+    _require(TorchCheckpointEngine, "load", ("path", "map_location"), owner=owner)
+    _require_assignment(TorchCheckpointEngine, "__init__", "zipfile_serialization")
+    _require_assignment(DeepSpeedEngine, "_configure_checkpointing", "checkpoint_engine")
+    checkpoint_safe_globals()
 
 
 def check_upstream() -> None:
@@ -434,9 +449,45 @@ def last_stage_backward_engine() -> type:
 
 
 @functools.cache
-def engine_class(pipeline: bool = False, last_stage_backward: bool = False) -> type:
+def checkpoint_safe_globals() -> list:
+    """The classes besides tensors and containers that DeepSpeed's checkpoint files hold: its
+    loss scalers, ZeRO stage enum and ZeRO's fragment addresses (plain values: rebuilding them
+    runs no code of the file)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+@functools.cache
+def checkpoint_engine_class(writer: type, load: Callable) -> type:
+    """DeepSpeed's torch checkpoint engine writing through ``writer(records=True, zipfile=...)``
+    (the trainer's ``FileWriter``: flushed to disk, failures recorded) and loading through
+    ``load(path, map_location)`` (the trainer's ``load_file``: weights only)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class GuardedCheckpointEngine(TorchCheckpointEngine):
+        def __init__(self, config_params=None):
+            super().__init__(config_params)
+            self.writer = writer(records=True, zipfile=self.zipfile_serialization)
+
+        def save(self, state_dict, path: str):
+            self.writer.save(state_dict, path)
+
+        def load(self, path: str, map_location=None):
+            return load(path, map_location)
+
+    return GuardedCheckpointEngine
+
+
+@functools.cache
+def engine_class(
+    pipeline: bool = False, last_stage_backward: bool = False, checkpoint_engine: type | None = None
+) -> type:
     """DeepSpeed's engine (``PipelineEngine`` for a pipeline, ``last_stage_backward_engine`` for
-    a forward-only one) that keeps the float32 islands' parameters float32 under bf16/fp16."""
+    a forward-only one) that keeps the float32 islands' parameters float32 under bf16/fp16 and
+    reads and writes its files through ``checkpoint_engine`` (``checkpoint_engine_class``'s)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
@@ -446,6 +497,11 @@ def engine_class(pipeline: bool = False, last_stage_backward: bool = False) -> t
         base = PipelineEngine if pipeline else DeepSpeedEngine
 
     class Float32IslandEngine(base):
+        def _configure_checkpointing(self, *args, **kwargs):
+            super()._configure_checkpointing(*args, **kwargs)
+            if checkpoint_engine is not None:
+                self.checkpoint_engine = checkpoint_engine(self._config)
+
         def _cast_module_mixed_precision(self, *args, **kwargs):
             kept = {}
             if self.zero_optimization_stage() < 3:  # ZeRO-3 flattens one dtype

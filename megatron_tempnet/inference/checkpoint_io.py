@@ -34,9 +34,11 @@ from megatron_tempnet.trainer.checkpoint_format import (
     WEIGHTS_ONLY,
     CheckpointError,
     checkpoint_dir,
+    mark_complete,
     publish_latest,
     tag_for,
 )
+from megatron_tempnet.trainer.file_io import FileWriter, load_file
 from megatron_tempnet.trainer.portable import PortableState, has_portable_state
 from megatron_tempnet.utils.progress import progress
 
@@ -45,10 +47,7 @@ TEMPNET_PREFIX = "tempnet."
 
 
 def _load(path: str) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except (OSError, RuntimeError, EOFError) as e:
-        raise CheckpointError(f"{path}: cannot be read ({e})") from None
+    return load_file(path, mmap=True)
 
 
 def lm_names(model: ModelConfig) -> list[str]:
@@ -259,6 +258,7 @@ def write_checkpoint(
         _save(_mp_state(None, tp * pp, run_config), out, f"mp_rank_{rank:02d}_model_states.pt")
     with open(os.path.join(out, WEIGHTS_ONLY), "w") as f:
         f.write(note or "Weights only: no optimizer, RNG or data position.\n")
+    mark_complete(out)
     publish_latest(save_dir, tag)
     return out
 
@@ -285,6 +285,7 @@ def write_module_checkpoint(
             bar.update(1)
     with open(os.path.join(out, WEIGHTS_ONLY), "w") as f:
         f.write(note or "Weights only: no optimizer, RNG or data position.\n")
+    mark_complete(out)
     publish_latest(save_dir, tag)
     return out
 
@@ -312,6 +313,4 @@ def _mp_state(module: dict | None, mp_world_size: int, config: dict) -> dict:
 
 
 def _save(obj, directory: str, name: str) -> None:
-    tmp = os.path.join(directory, name + ".partial")
-    torch.save(obj, tmp)
-    os.replace(tmp, os.path.join(directory, name))
+    FileWriter().save(obj, os.path.join(directory, name))

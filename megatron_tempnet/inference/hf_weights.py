@@ -37,6 +37,7 @@ import torch
 
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError
+from megatron_tempnet.trainer.file_io import load_file
 
 _FILES = (
     "model.safetensors.index.json",
@@ -79,9 +80,7 @@ class HFWeights:
 
                 self._open[file] = safe_open(path, framework="pt")
             else:
-                self._open[file] = torch.load(
-                    path, map_location="cpu", mmap=True, weights_only=True
-                )
+                self._open[file] = load_file(path, mmap=True)  # never unpickles code
         return self._open[file]
 
     def get(self, *names: str) -> torch.Tensor:

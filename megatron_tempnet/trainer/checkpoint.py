@@ -22,10 +22,11 @@ parameters from the pretrained checkpoint first.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import glob
 import os
 import shutil
-import zipfile
 from collections.abc import Callable
 
 import torch
@@ -34,14 +35,23 @@ import torch.distributed as dist
 from megatron_tempnet import compat
 from megatron_tempnet.distributed.sharding import TensorLayout
 from megatron_tempnet.trainer.checkpoint_format import (
+    COMPLETE,
     FROZEN_LM_EXCLUDED,
     WEIGHTS_ONLY,
     CheckpointError,
+    check_checkpoint,
+    checkpoint_files,
+    checkpoint_tags,
+    choose_checkpoint,
+    file_digest,
     has_marker,
+    is_complete,
     latest_tag,
     publish_latest,
     tag_for,
+    write_complete,
 )
+from megatron_tempnet.trainer.file_io import describe_error, load_file
 from megatron_tempnet.trainer.portable import PortableState, has_portable_state
 from megatron_tempnet.trainer.resharding import (
     check_shapes,
@@ -86,49 +96,135 @@ def save_checkpoint(
     rank_state: dict | None = None,
     tensor_layout: TensorLayout | None = None,
 ) -> None:
-    """Save on every rank (collective); publish ``latest`` when all ranks are done.
+    """Save on every rank (collective); mark it complete and publish ``latest`` when every file
+    of every rank is on disk. A failed write on any rank (a full disk) stops every rank with one
+    ``CheckpointError`` naming the file and the cause; the previous checkpoint stays ``latest``.
 
     ``exclude_frozen``: leave out the parameters that do not train. ``rank_state``: this rank's
-    own state, saved with its RNG states. ``keep_last``: then delete all but the newest N.
-    ``tensor_layout``: the model's, for the layout-free copy (None: no ``portable/``).
+    own state, saved with its RNG states. ``keep_last``: then delete all but the newest N complete
+    checkpoints. ``tensor_layout``: the model's, for the layout-free copy (None: no ``portable/``).
     """
-    tag = tag_for(iteration)
-    state = dict(client_state, iteration=iteration)
-    engine.save_checkpoint(
-        save_dir,
-        tag=tag,
-        client_state=state,
-        save_latest=False,
-        exclude_frozen_parameters=exclude_frozen,
-    )
-    rank_file = os.path.join(save_dir, tag, f"rng_rank{dist.get_rank()}.pt")
-    torch.save({**_rng_state(), "rank_state": rank_state}, rank_file)
+    tag, rank = tag_for(iteration), dist.get_rank()
+    directory = os.path.join(save_dir, tag)
+    if rank == 0:
+        _clear_for_save(save_dir, tag)
+    dist.barrier()
+    writer = engine.checkpoint_engine.writer
+    writer.failure = None
+    try:
+        engine.save_checkpoint(
+            save_dir,
+            tag=tag,
+            client_state=dict(client_state, iteration=iteration),
+            save_latest=False,
+            exclude_frozen_parameters=exclude_frozen,
+        )
+    except OSError as e:  # a write outside the checkpoint engine: this rank alone knows
+        raise CheckpointError(
+            f"saving {directory} failed: {describe_error(directory, e)}"
+        ) from None
+    writer.save({**_rng_state(), "rank_state": rank_state}, _rank_file(directory, rank))
     if tensor_layout is not None:
         save_portable_state(
             engine,
-            os.path.join(save_dir, tag),
+            directory,
+            writer=writer,
             tensor_layout=tensor_layout,
             exclude_frozen=exclude_frozen,
             iteration=iteration,
             data=client_state.get("data"),
             config=client_state.get("config"),
         )
-    if exclude_frozen and dist.get_rank() == 0:
-        with open(os.path.join(save_dir, tag, FROZEN_LM_EXCLUDED), "w") as f:
-            f.write(_FROZEN_NOTE)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        publish_latest(save_dir, tag)
-        if keep_last:
+    if exclude_frozen and rank == 0:
+        writer.write_text(os.path.join(directory, FROZEN_LM_EXCLUDED), _FROZEN_NOTE)
+    _agree(writer.failure, save_dir, directory)
+    _agree(_complete(save_dir, tag, keep_last), save_dir, directory, published=True)
+    log_rank0("saved checkpoint %s", directory)
+
+
+def _clear_for_save(save_dir: str, tag: str) -> None:
+    """Remove what an earlier save of ``tag`` left (an interrupted save, or a checkpoint newer
+    than the one resumed from); never the one ``latest`` names."""
+    directory = os.path.join(save_dir, tag)
+    if not os.path.exists(directory):
+        return
+    if latest_tag(save_dir) == tag:
+        raise CheckpointError(
+            f"--save {save_dir}: {tag} is the checkpoint 'latest' names: it is not overwritten"
+        )
+    why = "complete, not named by 'latest'" if is_complete(directory) else "an interrupted save"
+    log_rank0("removing %s (%s) before saving it again", directory, why)
+    _remove_checkpoint(directory)
+
+
+def _remove_checkpoint(directory: str) -> None:
+    """Marker first: a deletion cut short leaves an incomplete directory, never a complete one
+    with files missing."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(directory, COMPLETE))
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _complete(save_dir: str, tag: str, keep_last: int) -> str | None:
+    """Every file's checksum (the ranks share the reading, each flushing its files to disk),
+    then on rank 0 the marker, ``latest`` and the pruning; the failure, if any (collective)."""
+    directory = os.path.join(save_dir, tag)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = [checkpoint_files(directory) if rank == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    digests, failure = {}, None
+    for name in names[0][rank::world]:
+        path = os.path.join(directory, name)
+        try:
+            digests[name] = file_digest(path, fsync=True)
+        except OSError as e:
+            failure = failure or describe_error(path, e)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (digests, failure))
+    failure = next((f for _, f in gathered if f is not None), None)
+    if rank == 0 and failure is None:
+        try:
+            write_complete(directory, {k: v for d, _ in gathered for k, v in d.items()})
+            publish_latest(save_dir, tag)
+        except OSError as e:
+            failure = describe_error(directory, e)
+        if failure is None and keep_last:
             _prune(save_dir, keep_last)
-    dist.barrier()
-    log_rank0("saved checkpoint %s", os.path.join(save_dir, tag))
+    result = [failure]
+    dist.broadcast_object_list(result, src=0)
+    return result[0]
+
+
+def _agree(failure: str | None, save_dir: str, directory: str, published: bool = False) -> None:
+    """Stop every rank when any rank's part of the save failed (collective unless published,
+    where rank 0's outcome is everyone's already)."""
+    if not published:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, failure)
+        failure = next((f for f in gathered if f is not None), None)
+    if failure is None:
+        return
+    previous = latest_tag(save_dir)
+    if dist.get_rank() == 0:
+        _remove_checkpoint(directory)
+    kept = f"'latest' still names {previous}" if previous else "no checkpoint was published"
+    raise CheckpointError(
+        f"saving {directory} failed: {failure}; {kept} and the incomplete directory was removed"
+    )
 
 
 def _prune(save_dir: str, keep_last: int) -> None:
-    tags = sorted(d for d in os.listdir(save_dir) if d.startswith("iter_"))
-    for old in tags[:-keep_last]:
-        shutil.rmtree(os.path.join(save_dir, old), ignore_errors=True)
+    """Delete all but the newest ``keep_last`` complete checkpoints (after the new one is
+    complete and published: the one ``latest`` names is never among them)."""
+    latest = latest_tag(save_dir)
+    complete = [t for t in checkpoint_tags(save_dir) if is_complete(os.path.join(save_dir, t))]
+    for old in complete[:-keep_last]:
+        if old != latest:
+            _remove_checkpoint(os.path.join(save_dir, old))
+
+
+def _rank_file(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rng_rank{rank}.pt")
 
 
 def load_checkpoint(
@@ -143,6 +239,7 @@ def load_checkpoint(
     tensor_layout: TensorLayout | None = None,
     weights_reader: Callable | None = None,
     global_batch_size: int | None = None,
+    fallback: bool = False,
 ) -> dict | None:
     """Restore the newest checkpoint; returns its client state (None: nothing to resume).
 
@@ -158,10 +255,20 @@ def load_checkpoint(
     (``weights_reader(directory)``: the task's reader, None where it has none); the global batch
     size must then be ``global_batch_size``'s, and the returned state carries every saved rank's
     task state (``rank_states``) instead of this rank's.
+
+    The checkpoint's files are checked against its ``COMPLETE`` record first (the ranks share
+    the reading); ``fallback`` (--load-fallback) loads the newest older valid one when the newest
+    fails, otherwise the error names the damaged file.
     """
     source = f"{flag or ('--finetune --load' if weights_only else '--load')} {load_dir}"
     optional = optional or {}
-    tag = latest_tag(load_dir)
+    if not os.path.isdir(load_dir):
+        if weights_only:
+            raise CheckpointError(f"{source}: no such directory")
+        log_rank0("no checkpoint in %s: starting from scratch", load_dir)
+        return None
+    check = functools.partial(_check_on_every_rank, source=source)
+    tag = choose_checkpoint(load_dir, source, fallback=fallback, check=check)
     if tag is None:
         if weights_only:
             raise CheckpointError(f"{source}: no checkpoint there (no 'latest')")
@@ -182,7 +289,6 @@ def load_checkpoint(
             f"{source}: {tag} holds the trained parameters without the frozen ones: resume it "
             "as the run that saved it (with its --pretrained-checkpoint)"
         )
-    _check_files(directory, source)
     other = _other_layout_source(
         engine,
         directory,
@@ -225,24 +331,35 @@ def load_checkpoint(
     if weights_only:
         log_rank0("loaded weights from %s (--finetune)", path)
         return None
-    rng_file = os.path.join(directory, f"rng_rank{dist.get_rank()}.pt")
+    rng_file = _rank_file(directory, dist.get_rank())
     if os.path.isfile(rng_file):
-        rank_file = torch.load(rng_file, weights_only=False)
+        rank_file = load_file(rng_file)
         _set_rng_state(rank_file)
         client_state["rank_state"] = rank_file.get("rank_state")
     log_rank0("resumed from %s at iteration %d", path, client_state["iteration"])
     return client_state
 
 
-def _check_files(directory: str, source: str) -> None:
-    """Every file of the checkpoint is whole (a truncated one fails here, named)."""
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if name.endswith(".pt") and not zipfile.is_zipfile(path):
-            raise CheckpointError(
-                f"{source}: {path} is truncated or not a checkpoint file: the checkpoint is "
-                "damaged (load an older one: set its tag in 'latest')"
-            )
+def _check_on_every_rank(directory: str, *, source: str) -> None:
+    """``check_checkpoint`` with the checksums shared among the ranks, then each rank's share
+    of the ``.pt`` files opened without code execution (``load_file``, tensors mapped, not
+    read): a file any rank would refuse later stops every rank now, with the same error."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        check_checkpoint(directory, source, part=(rank, world))
+        for name in [f for f in checkpoint_files(directory) if f.endswith(".pt")][rank::world]:
+            try:
+                load_file(os.path.join(directory, name), mmap=True)
+            except CheckpointError as e:
+                raise CheckpointError(f"{source}: {e}") from None
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, error)
+    error = next((e for e in gathered if e is not None), None)
+    if error is not None:
+        raise CheckpointError(error)
 
 
 def _other_layout_source(engine, directory: str, weights_only: bool, weights_reader, **check):
@@ -326,9 +443,7 @@ def _rank_states(directory: str) -> list[dict]:
     """Every saved rank's task state (CLIP's per-sample state shards), in rank order."""
     files = glob.glob(os.path.join(directory, "rng_rank*.pt"))
     files.sort(key=lambda f: int(os.path.basename(f)[len("rng_rank") : -len(".pt")]))
-    states = [
-        torch.load(f, map_location="cpu", weights_only=False).get("rank_state") for f in files
-    ]
+    states = [load_file(f).get("rank_state") for f in files]
     return [s for s in states if s is not None]
 
 
@@ -367,7 +482,7 @@ def _check_weights_source(engine, directory: str, source: str, optional: dict[st
     path = os.path.join(directory, f"mp_rank_{rank:02d}_model_states.pt")
     if not os.path.isfile(path):
         raise CheckpointError(f"{source}: {path} is missing")
-    saved = torch.load(path, map_location="cpu", weights_only=False).get("module") or {}
+    saved = load_file(path, mmap=True).get("module") or {}
     if not saved:  # ZeRO-3 keeps the weights in its partition files: nothing to compare here
         return
     missing = sorted(set(engine.module.state_dict()) - set(saved))

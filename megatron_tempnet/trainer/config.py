@@ -118,7 +118,12 @@ class CheckpointConfig:
     """Weights to start from while --load holds no checkpoint yet; once it does, the run resumes
     from --load (one command line for the first start and every requeue)."""
     keep_last: int = 0
-    """Delete older checkpoints, keeping the newest N (0 = keep all)."""
+    """Delete older checkpoints, keeping the newest N complete ones (0 = keep all); the older
+    ones go only once the new one is complete."""
+    load_fallback: bool = False
+    """When the newest checkpoint of --load (or --pretrained-checkpoint) is damaged (a file
+    missing, truncated or altered since its save), load the newest older one that is valid
+    instead of stopping."""
 
 
 @dataclass

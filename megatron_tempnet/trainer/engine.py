@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron_tempnet import compat
 from megatron_tempnet.distributed.mpu import MegatronMPU
 from megatron_tempnet.trainer.config import ConfigError, OptimizerConfig, RunConfig
+from megatron_tempnet.trainer.file_io import FileWriter, load_file
 from megatron_tempnet.trainer.step import deepspeed_clips_grad_norm
 from megatron_tempnet.trainer.task import ParamGroup, TrainModel
 from megatron_tempnet.utils.precision import is_float32_island
@@ -165,10 +166,12 @@ def build_engine(model: TrainModel, config: RunConfig, world_size: int):
     pipeline = isinstance(module, PipelineModule)
     forward_only = pipeline and getattr(module, "forward_only", False)
     # what deepspeed.initialize does, with an engine class that keeps TempNet float32 under
-    # --bf16 (compat.engine_class); a pipeline brings its own grid as the mpu
+    # --bf16 and writes and reads checkpoint files through trainer.file_io
+    # (compat.engine_class); a pipeline brings its own grid as the mpu
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     mpu = module.mpu() if pipeline else MegatronMPU()
-    engine = compat.engine_class(pipeline, forward_only)(
+    files = compat.checkpoint_engine_class(FileWriter, load_file)
+    engine = compat.engine_class(pipeline, forward_only, files)(
         args=None,
         model=module,
         optimizer=optimizer,

@@ -16,11 +16,17 @@ import torch.distributed as dist
 from megatron_tempnet.data.loader import DataState, ResumableLoader, dataset_fingerprint
 from megatron_tempnet.distributed.launch import launch_environment
 from megatron_tempnet.trainer.checkpoint import load_checkpoint, save_checkpoint
-from megatron_tempnet.trainer.checkpoint_format import CONFIG, CONFIG_YAML, latest_tag
+from megatron_tempnet.trainer.checkpoint_format import (
+    CONFIG,
+    CONFIG_YAML,
+    CheckpointError,
+    latest_tag,
+)
 from megatron_tempnet.trainer.config import RunConfig
 from megatron_tempnet.trainer.engine import build_engine, init_process_groups, set_learning_rates
 from megatron_tempnet.trainer.metrics import RunLogger, memory_mb
 from megatron_tempnet.trainer.preemption import EXIT_REQUEUE, StopRequests
+from megatron_tempnet.trainer.run_lock import RunLock
 from megatron_tempnet.trainer.step import check_finite, compute_device
 from megatron_tempnet.trainer.task import Task, TaskData, TrainModel
 from megatron_tempnet.utils.logging import log_rank0
@@ -49,6 +55,18 @@ def pretrain(config: RunConfig, task: Task) -> RunResult:
     inputs = task.prepare(config, world_size)  # every flag checked before anything is built
 
     init_process_groups(config)
+    lock = _lock_save_dir(config)
+    try:
+        return _train(config, task, inputs, world_size, requests)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(
+    config: RunConfig, task: Task, inputs, world_size: int, requests: StopRequests
+) -> RunResult:
+    """Build, resume and run the iterations (``pretrain``'s body, under the --save lock)."""
     from megatron.core import parallel_state
 
     data = task.build_data(config, inputs)
@@ -116,6 +134,22 @@ def pretrain(config: RunConfig, task: Task) -> RunResult:
     return result
 
 
+def _lock_save_dir(config: RunConfig) -> RunLock | None:
+    """Rank 0 takes ``--save``'s lock; every rank stops when another run holds it."""
+    if not config.checkpoint.save:
+        return None
+    lock, error = None, [None]
+    if dist.get_rank() == 0:
+        try:
+            lock = RunLock(config.checkpoint.save).acquire()
+        except CheckpointError as e:
+            error = [str(e)]
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise CheckpointError(error[0])
+    return lock
+
+
 def _should_validate(iteration: int, config: RunConfig, task: Task) -> bool:
     t = config.training
     if task.evaluate_at_end and iteration == t.train_iters:
@@ -149,6 +183,7 @@ def _resume(engine, config: RunConfig, data: TaskData, model: TrainModel) -> tup
             load_optimizer=False,
             optional=model.optional,
             flag="--pretrained-checkpoint",
+            fallback=ckpt.load_fallback,
             **reshard,
         )
     if ckpt.load and not (fresh and ckpt.pretrained_checkpoint):
@@ -160,6 +195,7 @@ def _resume(engine, config: RunConfig, data: TaskData, model: TrainModel) -> tup
             optional=model.optional,
             frozen_loaded=model.frozen_from_pretrained,
             global_batch_size=config.training.global_batch_size,
+            fallback=ckpt.load_fallback,
             **reshard,
         )
         if client is not None:

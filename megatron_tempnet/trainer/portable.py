@@ -29,6 +29,7 @@ import torch
 
 from megatron_tempnet.distributed.sharding import full_shape, merge_tensor
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError
+from megatron_tempnet.trainer.file_io import FileWriter, load_file
 
 DIRECTORY = "portable"
 INDEX = "index.json"
@@ -56,21 +57,21 @@ def stage_file(directory: str, tp_rank: int, pp_rank: int) -> str:
     return os.path.join(directory, DIRECTORY, f"stage_tp{tp_rank:02d}_pp{pp_rank:03d}.pt")
 
 
-def write_stage(directory: str, tp_rank: int, pp_rank: int, tensors: dict[str, dict]) -> None:
-    """One (TP rank, stage)'s tensors; written under a temporary name, then renamed."""
+def write_stage(
+    directory: str, tp_rank: int, pp_rank: int, tensors: dict[str, dict], writer: FileWriter
+) -> None:
+    """One (TP rank, stage)'s tensors (``writer``: the save's, see ``trainer.file_io``)."""
     path = stage_file(directory, tp_rank, pp_rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save({"format": FORMAT, "tensors": tensors}, path + ".partial")
-    os.replace(path + ".partial", path)
+    writer.save({"format": FORMAT, "tensors": tensors}, path)
 
 
-def write_index(directory: str, layout: Layout, **fields) -> None:
+def write_index(directory: str, layout: Layout, writer: FileWriter, **fields) -> None:
     """The index (rank 0, after every stage file is written)."""
     path = os.path.join(directory, DIRECTORY, INDEX)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".partial", "w") as f:
-        json.dump({"format": FORMAT, "layout": asdict(layout), **fields}, f, indent=1)
-    os.replace(path + ".partial", path)
+    index = {"format": FORMAT, "layout": asdict(layout), **fields}
+    writer.write_text(path, json.dumps(index, indent=1))
 
 
 def has_portable_state(directory: str) -> bool:
@@ -80,10 +81,7 @@ def has_portable_state(directory: str) -> bool:
 def _load(path: str) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as e:  # a truncated or foreign file: name it
-        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
+    return load_file(path, mmap=True)
 
 
 class PortableState:

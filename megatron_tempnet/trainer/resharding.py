@@ -28,6 +28,7 @@ from megatron_tempnet.distributed.sharding import (
     shard_tensor,
 )
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError
+from megatron_tempnet.trainer.file_io import FileWriter
 from megatron_tempnet.trainer.portable import MOMENTS, Layout, write_index, write_stage
 from megatron_tempnet.utils.logging import log_rank0
 
@@ -91,11 +92,18 @@ def _trained_state(engine, param) -> dict[str, torch.Tensor]:
 
 
 def save_portable_state(
-    engine, directory: str, *, tensor_layout: TensorLayout, exclude_frozen: bool, **index
+    engine,
+    directory: str,
+    *,
+    writer: FileWriter,
+    tensor_layout: TensorLayout,
+    exclude_frozen: bool,
+    **index,
 ) -> None:
     """Write this (TP rank, stage)'s ``portable/`` file; rank 0 writes the index (collective).
 
-    ``index``: what the index carries besides the layout (iteration, data position, config).
+    ``writer``: the save's (``trainer.file_io``); ``index``: what the index carries besides the
+    layout (iteration, data position, config).
     """
     from megatron.core import parallel_state as ps
 
@@ -115,6 +123,7 @@ def save_portable_state(
             ps.get_tensor_model_parallel_rank(),
             ps.get_pipeline_model_parallel_rank(),
             tensors,
+            writer,
         )
     step = torch.tensor([_optimizer_step(engine)], dtype=torch.float64)
     dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a stage without trained parameters has 0
@@ -123,6 +132,7 @@ def save_portable_state(
         write_index(
             directory,
             current_layout(engine),
+            writer,
             vocab_size=tensor_layout.vocab_size,
             step=int(step.item()),
             **index,

@@ -194,7 +194,7 @@ def test_bad_checkpoints_stop_with_what_is_wrong_and_save_nothing(runs, corpus, 
     elif case == "truncated-file":
         data = (tag / "mp_rank_01_model_states.pt").read_bytes()
         (tag / "mp_rank_01_model_states.pt").write_bytes(data[: len(data) // 2])
-        message = f"{tag / 'mp_rank_01_model_states.pt'} is truncated or not a checkpoint file"
+        message = f"{tag / 'mp_rank_01_model_states.pt'} is truncated or altered"
     else:
         (tag / "portable" / "stage_tp01_pp000.pt").unlink()
         message = f"{tag / 'portable' / 'stage_tp01_pp000.pt'} is missing"

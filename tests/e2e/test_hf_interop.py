@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -19,6 +20,7 @@ import torch
 from tests.helpers.corpus import blend_corpus
 from tests.helpers.distributed import run_distributed
 from tests.helpers.entry_points import run_command
+from tests.helpers.faults import PlantedPickle
 from tests.helpers.hf_models import (
     LLAMA31_ROPE,
     LLAMA32_ROPE,
@@ -446,6 +448,20 @@ def test_conversion_errors_are_clear(hf, tmp_path):
                   tmp_path / "v", check=False)  # fmt: skip
     assert window.returncode == 1 and "sliding_window=4096" in window.stderr
     assert "Traceback" not in window.stderr and not os.path.exists(tmp_path / "v" / "latest")
+    planted, ran = tmp_path / "planted", tmp_path / "code-ran"
+    os.makedirs(planted)
+    shutil.copy(os.path.join(hf["llama"], "config.json"), planted / "config.json")
+    torch.save(
+        {"model.embed_tokens.weight": PlantedPickle(str(ran))}, planted / "pytorch_model.bin"
+    )
+    refused = tool("checkpoint/convert_hf_to_megatron.py", "--hf-dir", planted, "--save",
+                   tmp_path / "u", check=False)  # fmt: skip
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert [line for line in refused.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: {planted / 'pytorch_model.bin'}: refused: loading it would run code (it calls "
+        f"{open.__module__}.open); only files of tensors are loaded (torch.load weights_only=True)"
+    ]
+    assert not ran.exists() and not os.path.exists(tmp_path / "u" / "latest")
     missing = tool("checkpoint/convert_megatron_to_hf.py", "--load", tmp_path / "none",
                    "--save", tmp_path / "out", check=False)  # fmt: skip
     assert missing.returncode == 1 and "--load" in missing.stderr

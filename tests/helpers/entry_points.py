@@ -54,8 +54,10 @@ def _main(
     out: str,
     err: str,
     stdin: str | None,
+    setup: tuple | None = None,
 ) -> None:
-    """One process: ``python target args`` (or ``python -m target args``)."""
+    """One process: ``python target args`` (or ``python -m target args``); ``setup``: ``(f,
+    *args)`` called first (a test's fault injection, ``tests.helpers.faults``)."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -69,6 +71,8 @@ def _main(
         sys.stdin = open(stdin, encoding="utf-8")  # noqa: SIM115 (the process's stdin)
     code = 0
     try:
+        if setup is not None:
+            setup[0](*setup[1:])
         if module:
             sys.argv = [target, *args]
             runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -101,64 +105,73 @@ def run_program(
     env: dict | None = None,
     timeout: float = 600,
     input: str | None = None,
+    setup: tuple | None = None,
 ) -> subprocess.CompletedProcess:
     """Run ``target`` (a path, relative to the repository, or a module with ``module``) with
-    ``args`` on ``nproc`` ranks (0: one plain process); returns its status and output."""
-    ctx = context()
-    path = target if module else os.path.join(REPO, target)
-    base = dict(os.environ if env is None else env)
-    base.setdefault("OMP_NUM_THREADS", "1")
-    base.setdefault("DS_ACCELERATOR", "cpu")
-    ranks = max(nproc, 1)
-    port = str(_free_port())
+    ``args`` on ``nproc`` ranks (0: one plain process); returns its status and output.
+    ``setup``: ``(f, *args)`` each process calls first."""
     with tempfile.TemporaryDirectory() as tmp:
-        stdin = None
+        running = Running(target, args, nproc, tmp, module=module, env=env, input=input)
+        running.start(setup)
+        return running.wait(timeout)
+
+
+class Running:
+    """Ranks started and not waited for yet (``run_program``'s parts, for a test that signals
+    them while they run): ``start``, then ``wait``; ``procs`` are the ranks."""
+
+    def __init__(self, target, args, nproc, tmp, *, module=False, env=None, input=None):
+        self.target, self.args, self.nproc, self.tmp = target, [str(a) for a in args], nproc, tmp
+        self.module, self.procs = module, []
+        self.path = target if module else os.path.join(REPO, target)
+        self.base = dict(os.environ if env is None else env)
+        self.base.setdefault("OMP_NUM_THREADS", "1")
+        self.base.setdefault("DS_ACCELERATOR", "cpu")
+        self.stdin = None
         if input is not None:
-            stdin = os.path.join(tmp, "stdin")
-            with open(stdin, "w", encoding="utf-8") as f:
+            self.stdin = os.path.join(tmp, "stdin")
+            with open(self.stdin, "w", encoding="utf-8") as f:
                 f.write(input)
-        procs = []
-        for rank in range(ranks):
-            rank_env = dict(base)
-            if nproc:
+
+    def start(self, setup: tuple | None = None) -> Running:
+        ctx, port = context(), str(_free_port())
+        for rank in range(max(self.nproc, 1)):
+            rank_env = dict(self.base)
+            if self.nproc:
                 rank_env.update(
                     RANK=str(rank),
                     LOCAL_RANK=str(rank),
-                    WORLD_SIZE=str(nproc),
-                    LOCAL_WORLD_SIZE=str(nproc),
+                    WORLD_SIZE=str(self.nproc),
+                    LOCAL_WORLD_SIZE=str(self.nproc),
                     MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=port,
                 )
-            out, err = os.path.join(tmp, f"out{rank}"), os.path.join(tmp, f"err{rank}")
-            procs.append(
-                ctx.Process(
-                    target=_main,
-                    args=(
-                        path,
-                        [str(a) for a in args],
-                        module,
-                        rank_env,
-                        os.getcwd(),
-                        out,
-                        err,
-                        stdin,
-                    ),
-                )
-            )
+            out, err = self._output(rank)
+            main_args = (self.path, self.args, self.module, rank_env, os.getcwd(), out, err)
+            self.procs.append(ctx.Process(target=_main, args=(*main_args, self.stdin, setup)))
+        for p in self.procs:
+            p.start()
+        return self
+
+    def _output(self, rank: int) -> tuple[str, str]:
+        return os.path.join(self.tmp, f"out{rank}"), os.path.join(self.tmp, f"err{rank}")
+
+    def wait(self, timeout: float = 600, grace: float = _GRACE) -> subprocess.CompletedProcess:
+        """Every rank's end (the others get ``grace`` seconds once one has failed); the
+        status (1 for any failure with ranks) and the output of all ranks."""
         try:
-            for p in procs:
-                p.start()
-            codes = _wait(procs, timeout, [str(target), *map(str, args)])
+            codes = _wait(self.procs, timeout, [str(self.target), *self.args], grace)
         finally:
-            _stop(procs)
-        stdout = "".join(_read(os.path.join(tmp, f"out{r}")) for r in range(ranks))
-        stderr = "".join(_read(os.path.join(tmp, f"err{r}")) for r in range(ranks))
-    code = codes[0] if not nproc else (0 if all(c == 0 for c in codes) else 1)
-    return subprocess.CompletedProcess([target, *args], code, stdout, stderr)
+            _stop(self.procs)
+        ranks = range(max(self.nproc, 1))
+        stdout = "".join(_read(self._output(r)[0]) for r in ranks)
+        stderr = "".join(_read(self._output(r)[1]) for r in ranks)
+        code = codes[0] if not self.nproc else (0 if all(c == 0 for c in codes) else 1)
+        return subprocess.CompletedProcess([self.target, *self.args], code, stdout, stderr)
 
 
-def _wait(procs, timeout: float, cmd: list[str]) -> list[int]:
-    """Every exit status; when one rank fails, the others get ``_GRACE`` seconds, then stop."""
+def _wait(procs, timeout: float, cmd: list[str], grace: float = _GRACE) -> list[int]:
+    """Every exit status; when one rank fails, the others get ``grace`` seconds, then stop."""
     deadline = time.monotonic() + timeout
     failed_at = None
     while any(p.exitcode is None for p in procs):
@@ -167,7 +180,7 @@ def _wait(procs, timeout: float, cmd: list[str]) -> list[int]:
             raise subprocess.TimeoutExpired(cmd, timeout)
         if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
             failed_at = now
-        if failed_at is not None and now - failed_at > _GRACE:
+        if failed_at is not None and now - failed_at > grace:
             break
         for p in procs:
             if p.exitcode is None:

@@ -115,7 +115,8 @@ def _options(parser) -> dict[str, str]:
 GPT_FLAGS = """adam-beta1 adam-beta2 adam-eps attention-backend attention-dropout bf16 clip-grad
 data-cache-path data-path deepspeed-config disable-bias-linear eod-mask-loss eval-interval
 eval-iters exit-duration-in-mins exit-interval ffn-hidden-size finetune fixed-tau fp16 freeze-lm
-global-batch-size hidden-dropout hidden-size init-method-std keep-last load log-interval loss lr
+global-batch-size hidden-dropout hidden-size init-method-std keep-last load load-fallback
+log-interval loss lr
 lr-decay-iters lr-warmup-fraction lr-warmup-iters make-vocab-size-divisible-by
 max-position-embeddings merge-file metrics-file micro-batch-size min-lr model no-bias-dropout-fusion
 no-bias-gelu-fusion no-bias-swiglu-fusion no-fused-output-stage no-load-optim no-tempnet-stop-grad
@@ -134,7 +135,8 @@ clip-grad clip-loss context-length data-cache-path deepspeed-config embed-dim ev
 eval-interval eval-iters exit-duration-in-mins exit-interval finetune fp16 global-batch-size
 image-augment image-channels image-key image-mean image-size image-std init-method-std
 isogclr-grad-clip isogclr-tau-beta isogclr-tau-lr isogclr-tau-max isogclr-tau-min keep-last
-label-key load log-interval lr lr-decay-iters lr-warmup-fraction lr-warmup-iters
+label-key load load-fallback log-interval lr lr-decay-iters lr-warmup-fraction
+lr-warmup-iters
 make-vocab-size-divisible-by merge-file metrics-file micro-batch-size min-lr model
 no-bias-dropout-fusion no-bias-gelu-fusion no-bias-swiglu-fusion no-load-optim num-workers
 ood-data patch-size pipeline-model-parallel-size pretrained-checkpoint quick-gelu

@@ -26,6 +26,7 @@ from megatron_tempnet.inference.hf_weights import HFWeights
 from megatron_tempnet.models.clip import pretrained
 from megatron_tempnet.models.clip.config import CLIPModelConfig
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError, latest_tag
+from megatron_tempnet.trainer.file_io import load_file
 from megatron_tempnet.utils.cli import run_tool
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -58,9 +59,9 @@ def _read(args) -> tuple[dict, dict]:
         state = _HFState(hf)
         return fields, pretrained.full_from_hf(state, model)
     try:
-        state = torch.load(args.open_clip_checkpoint, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError) as e:
-        raise CheckpointError(f"--open-clip-checkpoint {args.open_clip_checkpoint}: {e}") from None
+        state = load_file(args.open_clip_checkpoint)  # weights only: never unpickles code
+    except CheckpointError as e:
+        raise CheckpointError(f"--open-clip-checkpoint {e}") from None
     state = state.get("state_dict", state)
     state = {k.removeprefix("module."): v for k, v in state.items()}  # DDP-saved
     if "visual.conv1.weight" not in state:

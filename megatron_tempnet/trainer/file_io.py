@@ -1,0 +1,86 @@
+"""Checkpoint files in and out: writes that reach the disk and whose failures are kept, loads that
+never run code from a file.
+
+``FileWriter.save`` writes through a Python file object (so a failure carries its errno and the
+path) and flushes the file to disk. A writer that ``records`` failures keeps the first one and
+skips the writes after it instead of raising: a rank whose disk filled up still takes part in
+the save's collectives, and the ranks agree on the outcome at the end (``trainer.checkpoint``).
+
+``load_file`` is ``torch.load(weights_only=True)``: tensors, containers, numbers and strings,
+plus the few DeepSpeed value classes its own files hold (``compat.checkpoint_safe_globals``). A
+file whose unpickling would call anything else (a planted ``os.system``) is refused, named,
+before anything in it runs. Every checkpoint file the project reads goes through it, DeepSpeed's
+included (``compat.checkpoint_engine_class``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import re
+
+import torch
+
+from megatron_tempnet.trainer.checkpoint_format import CheckpointError
+
+
+def describe_error(path: str, error: BaseException) -> str:
+    """``PATH: cause``, one line: the errno's text and name for an OS error (ENOSPC, EIO,
+    EACCES), the first line of anything else."""
+    if isinstance(error, OSError) and error.errno is not None:
+        name = errno.errorcode.get(error.errno, str(error.errno))
+        return f"{path}: {error.strerror or os.strerror(error.errno)} ({name})"
+    return f"{path}: {str(error).strip().splitlines()[0] if str(error).strip() else type(error)}"
+
+
+class FileWriter:
+    """Writes checkpoint files; ``records`` keeps the first failure in ``failure`` instead of
+    raising it (a ``CheckpointError`` otherwise)."""
+
+    def __init__(self, *, records: bool = False, zipfile: bool = True):
+        self.records = records
+        self.zipfile = zipfile
+        self.failure: str | None = None
+
+    def save(self, obj, path: str) -> None:
+        """``torch.save(obj)`` to ``path``, flushed to disk."""
+        self._write(path, lambda f: torch.save(obj, f, _use_new_zipfile_serialization=self.zipfile))
+
+    def write_text(self, path: str, text: str) -> None:
+        self._write(path, lambda f: f.write(text.encode("utf-8")))
+
+    def _write(self, path: str, write) -> None:
+        if self.failure is not None:  # one failure is enough: the save is lost already
+            return
+        try:
+            with open(path, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+        except (OSError, RuntimeError) as e:
+            self.failure = describe_error(path, e)
+            if not self.records:
+                raise CheckpointError(f"cannot write {self.failure}") from None
+
+
+_GLOBAL = re.compile(r"GLOBAL (\S+)")
+
+
+def load_file(path: str, map_location="cpu", *, mmap: bool = False):
+    """``torch.load`` without code execution (``weights_only``); a ``CheckpointError`` naming
+    ``path`` when it cannot be read or would run code."""
+    from megatron_tempnet import compat
+
+    try:
+        with torch.serialization.safe_globals(compat.checkpoint_safe_globals()):
+            return torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = _GLOBAL.search(str(e))
+        what = f"it calls {found.group(1)}" if found else str(e).strip().splitlines()[0]
+        raise CheckpointError(
+            f"{path}: refused: loading it would run code ({what}); only files of tensors are "
+            "loaded (torch.load weights_only=True)"
+        ) from None
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{describe_error(path, e)}: the file cannot be read") from None
