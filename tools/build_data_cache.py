@@ -2,7 +2,9 @@
 
 Give it the data flags the run will use (and the batch/iteration flags that decide how many
 samples each split needs); the run then loads the cached indices from --data-cache-path instead
-of building them at start-up on rank 0 while every other rank waits.
+of building them at start-up on rank 0 while every other rank waits. The datasets are checked
+against the tokenizer as the run checks them, and their token id ranges (one scan of each .bin)
+are cached there too.
 
     python tools/build_data_cache.py --data-path 0.7 A_text_document 0.3 B_text_document \
         --split 949,50,1 --seq-length 2048 --train-iters 20000 --global-batch-size 512 \

@@ -4,7 +4,8 @@
         --tensor-model-parallel-size 2 --data-path data/owt2_valid_text_document \
         --seq-length 1024 --output eval.json
 
-``--data-path`` reads an indexed dataset (``tools/preprocess_data.py``), ``--jsonl`` a ``.jsonl``
+``--data-path`` reads an indexed dataset (``tools/preprocess_data.py``; refused when its recorded
+tokenizer is not the model's or it holds an id outside the vocabulary), ``--jsonl`` a ``.jsonl``
 file (``--json-key``, default ``text``) tokenised here. ``--documents concatenated`` (default)
 joins the documents (with end-of-document tokens) into one stream cut into windows of
 ``--seq-length`` predictions; ``separate`` scores each document on its own. Printed and written
@@ -72,14 +73,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def read_documents(args, tokenizer) -> list[list[int]]:
+def read_documents(args, tokenizer, vocab_size: int) -> list[list[int]]:
     limit = args.max_documents
     if args.data_path:
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+        from megatron_tempnet.data.gpt_data import check_datasets
         from megatron_tempnet.data.indexed import validate_indexed_dataset
 
         validate_indexed_dataset(args.data_path)
+        # the dataset's recorded tokenizer must be the model's, its ids inside the vocabulary
+        check_datasets([args.data_path], tokenizer.identity, vocab_size, cache_dir=None)
         dataset = IndexedDataset(args.data_path)
         count = len(dataset) if limit is None else min(limit, len(dataset))
         return [dataset[i].tolist() for i in range(count)]
@@ -118,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--seq-length ({window}) must be in [1, "
             f"{model.model.max_position_embeddings}] (the model's positions)"
         )
-    documents = read_documents(args, tokenizer)
+    documents = read_documents(args, tokenizer, min(tokenizer.vocab_size, model.vocab_size))
     if args.documents == "concatenated":
         eod = [] if tokenizer.eod is None else [tokenizer.eod]
         documents = [[t for d in documents for t in (d if args.data_path else d + eod)]]

@@ -5,6 +5,10 @@ Datasets come from megatron-core's ``BlendedMegatronDatasetBuilder`` (``--data-p
 ``--data-cache-path`` by megatron-core and reused by every later run with the same settings
 (``tools/build_data_cache.py`` builds them ahead of training on one process). The training loop
 reads them through ``loader.ResumableLoader``.
+
+Before any of that, every dataset is checked against the run's tokenizer (``check_datasets``):
+the tokenizer recorded beside it (``tokenizer_sidecar``) must be the run's, and its token ids
+must lie inside the run's vocabulary (``token_range``; scanned once, cached with the indices).
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ import math
 import os
 from dataclasses import dataclass
 
-from megatron_tempnet.data.indexed import document_count, validate_indexed_dataset
+from megatron_tempnet.data.indexed import DatasetError, document_count, validate_indexed_dataset
 from megatron_tempnet.data.loader import DataConfigError
+from megatron_tempnet.data.token_range import check_token_ids
+from megatron_tempnet.data.tokenizer_sidecar import check_tokenizer, sidecar_path
+from megatron_tempnet.data.tokenizers import TokenizerIdentity
 from megatron_tempnet.utils.flags import derived, option
 from megatron_tempnet.utils.logging import get_logger
 
@@ -112,10 +119,14 @@ def num_samples(
     ]
 
 
-def build_gpt_datasets(config: GPTDataConfig, tokenizer, sizes: list[int]) -> list:
+def build_gpt_datasets(
+    config: GPTDataConfig, tokenizer, sizes: list[int], vocab_size: int | None = None
+) -> list:
     """[train, valid, test] megatron-core datasets (None where a split is empty).
 
-    ``tokenizer`` needs ``vocab_size``, ``eod`` and ``unique_identifiers`` (see ``tokenizers``).
+    ``tokenizer`` needs ``vocab_size``, ``eod``, ``identity`` and ``unique_identifiers`` (see
+    ``tokenizers``); every token id must be below ``vocab_size`` (default: the tokenizer's).
+    Every dataset is checked first (``check_datasets``: on every rank, before any collective).
     Under torch.distributed, rank 0 builds (or loads) the cached indices first and the other
     ranks then load them (megatron-core's protocol).
     """
@@ -131,6 +142,8 @@ def build_gpt_datasets(config: GPTDataConfig, tokenizer, sizes: list[int]) -> li
     _check_split_documents(prefixes, config.split)
     if config.data_cache_path:
         os.makedirs(config.data_cache_path, exist_ok=True)
+    vocab = tokenizer.vocab_size if vocab_size is None else vocab_size
+    check_datasets(prefixes, tokenizer.identity, vocab, config.data_cache_path)
     gpt_config = GPTDatasetConfig(
         random_seed=config.seed,
         sequence_length=config.seq_length,
@@ -146,6 +159,44 @@ def build_gpt_datasets(config: GPTDataConfig, tokenizer, sizes: list[int]) -> li
     builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gpt_config)
     with _process_group_for_builder():
         return builder.build()
+
+
+def check_datasets(
+    prefixes: list[str], identity: TokenizerIdentity, vocab_size: int, cache_dir: str | None
+) -> None:
+    """Every rank raises the same ``DatasetError`` when a dataset was tokenised with another
+    tokenizer than ``identity`` or holds a token id outside ``[0, vocab_size)``.
+
+    Rank 0 (of the default group, as megatron-core's builder) does the work: it reads the
+    tokenizer records and the cached id ranges, scanning a dataset's ``.bin`` when it has no
+    valid cache entry in ``cache_dir`` (``token_range``). It broadcasts its verdict, so that all
+    ranks stop together with the same one-line error, before any other collective of the data.
+    """
+    import torch.distributed as dist
+
+    verdict: list[str | None] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            _check_datasets_here(prefixes, identity, vocab_size, cache_dir)
+        except DatasetError as e:
+            verdict = [str(e)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise DatasetError(verdict[0])
+
+
+def _check_datasets_here(prefixes, identity, vocab_size, cache_dir) -> None:
+    for prefix in check_tokenizer(prefixes, identity):
+        logger.info(
+            "%s: no %s (written by an older version or another tool): its tokenizer cannot be "
+            "checked, only that its token ids fit the vocabulary (%d ids)",
+            prefix,
+            os.path.basename(sidecar_path(prefix)),
+            vocab_size,
+        )
+    for prefix in prefixes:
+        check_token_ids(prefix, vocab_size, cache_dir)
 
 
 def _check_split_documents(prefixes: list[str], split: str) -> None:

@@ -7,7 +7,9 @@ Files are byte-for-byte what megatron-core's ``IndexedDatasetBuilder`` writes an
   of Python lists (megatron-core's builder holds ~70 bytes per document in RAM);
 - publication is atomic: everything is written under ``*.partial`` names and renamed at the end,
   ``.bin`` first and ``.idx`` last, so an interrupted run never leaves an ``.idx`` that looks
-  complete. An existing ``.idx`` being replaced is removed before the new ``.bin`` lands.
+  complete. An existing ``.idx`` being replaced is removed before the new ``.bin`` lands, and
+  so is the old dataset's tokenizer record (``PREFIX.tokenizer.json``, ``data.tokenizer_sidecar``):
+  it never describes the new one.
 
 ``.idx`` layout (little endian): ``MMIDIDX\\0\\0``, u64 version = 1, u8 dtype code, u64 sequence
 count N, u64 document count D, i32 lengths[N], i64 byte pointers[N], i64 document indices[D].
@@ -27,6 +29,7 @@ from megatron_tempnet.utils.cli import UserError
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 _PREAMBLE = struct.Struct("<9sQBQQ")  # header, version, dtype code, sequences, documents
 PARTIAL = ".partial"
+TOKENIZER_SIDECAR = ".tokenizer.json"  # which tokenizer wrote the dataset (tokenizer_sidecar)
 _STREAM_ELEMENTS = 1 << 22  # elements per block when streaming index arrays
 
 # megatron-core's DType codes (megatron.core.datasets.indexed_dataset.DType)
@@ -121,8 +124,9 @@ class IndexedDatasetWriter:
             f.close()
         self._write_index()
         idx_path, bin_path = f"{self.prefix}.idx", f"{self.prefix}.bin"
-        if os.path.exists(idx_path):
-            os.remove(idx_path)  # never pair an old .idx with the new .bin
+        for old in (idx_path, self.prefix + TOKENIZER_SIDECAR):
+            if os.path.exists(old):
+                os.remove(old)  # never pair an old .idx or tokenizer record with the new .bin
         _fsync(self._paths["bin"])
         os.replace(self._paths["bin"], bin_path)
         _fsync(self._paths["idx"])
@@ -200,6 +204,11 @@ def _read_preamble(idx_path: str) -> tuple[type[np.number], int, int]:
 def document_count(prefix: str) -> int:
     """Documents in ``prefix.idx`` (its header only)."""
     return _read_preamble(f"{prefix}.idx")[2] - 1  # the document index starts with a 0
+
+
+def stored_dtype(prefix: str) -> type[np.number]:
+    """The token dtype of ``prefix.bin`` (from its index's header)."""
+    return _read_preamble(f"{prefix}.idx")[0]
 
 
 def _index_arrays(prefix: str, n_seq: int, n_documents: int):

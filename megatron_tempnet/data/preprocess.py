@@ -14,6 +14,10 @@ members count as files). Each group is written as its own dataset; by default th
 then merged into one dataset (identical to a single-partition run) and removed,
 ``keep_partitions`` keeps them apart, and ``partition_index`` processes one group only (one job
 per partition on a cluster; merge with ``tools/merge_datasets.py``).
+
+Every dataset written gets its tokenizer record beside it, ``P.tokenizer.json``
+(``tokenizer_sidecar``): the tokenizer's type, vocabulary size and the sha256 of its files, so
+that a run with another tokenizer refuses the data.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from megatron_tempnet.data.jsonl import (
     iter_line_chunks,
     parse_line,
 )
+from megatron_tempnet.data.tokenizer_sidecar import write_sidecar
 from megatron_tempnet.data.tokenizers import build_tokenizer
 from megatron_tempnet.utils.cli import Interrupted, UserError
 from megatron_tempnet.utils.logging import get_logger
@@ -341,6 +346,9 @@ def run_preprocess(config: PreprocessConfig) -> list[IndexSummary]:
             pool.join()
         for s, handler in previous.items():
             signal.signal(s, handler)
+    files = [os.path.abspath(f) for f in tokenizer.files]
+    for summary in summaries:
+        write_sidecar(summary.prefix, tokenizer.identity, files)
     _report(tally, summaries)
     return summaries
 
@@ -373,7 +381,7 @@ def _report(tally: _Tally, summaries: list[IndexSummary]) -> None:
     logger.info("done: %s", tally.line())
     for s in summaries:
         logger.info(
-            "wrote %s.bin/.idx: %d documents, %d tokens, %s",
+            "wrote %s.bin/.idx/.tokenizer.json: %d documents, %d tokens, %s",
             s.prefix,
             s.num_documents,
             s.num_tokens,

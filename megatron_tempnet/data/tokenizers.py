@@ -3,7 +3,9 @@
 Every tokenizer exposes the same small surface: ``tokenize``/``tokenize_batch`` (text -> ids),
 ``detokenize`` (ids -> text), ``vocab_size`` (number of ids, special tokens included) and ``eod``
 (the end-of-document id, or None when the vocabulary has none). ``unique_identifiers`` lets
-megatron-core's ``GPTDatasetConfig`` hash the tokenizer into its dataset-cache key.
+megatron-core's ``GPTDatasetConfig`` hash the tokenizer into its dataset-cache key; ``identity``
+(type, vocabulary size, sha256 of its files) is what a dataset records of the tokenizer that
+wrote it (``data.tokenizer_sidecar``).
 
 The module imports no torch, so preprocessing workers start quickly.
 """
@@ -45,14 +47,31 @@ class TokenizerConfig:
         return build_tokenizer(**dataclasses.asdict(self))
 
 
-def _file_digest(*paths: str) -> str:
-    """Short content hash of tokenizer files: the cache key follows the vocabulary, not the path."""
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    """What a dataset's token ids mean: which tokenizer, how many ids, from which files."""
+
+    tokenizer_type: str
+    """The ``--tokenizer-type`` value (one of ``TOKENIZER_TYPES``)."""
+    vocab_size: int
+    """Number of ids, special tokens included (before any padding of the model's vocabulary)."""
+    sha256: str
+    """sha256 (hex) of the bytes of the files the tokenizer reads, one after the other: GPT-2's
+    vocab.json then merges.txt, the SentencePiece model, or a Hugging Face directory's .json,
+    .txt and .model files in name order. The path of a file does not count, its content does."""
+
+    def describe(self) -> str:
+        return f"{self.tokenizer_type}, {self.vocab_size} ids, sha256 {self.sha256[:12]}"
+
+
+def _files_sha256(*paths: str) -> str:
+    """sha256 of the files' bytes, concatenated in the order given."""
     h = hashlib.sha256()
     for path in paths:
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
-    return h.hexdigest()[:16]
+    return h.hexdigest()
 
 
 def _require_file(path: str | None, flag: str, tokenizer_type: str) -> str:
@@ -64,11 +83,18 @@ def _require_file(path: str | None, flag: str, tokenizer_type: str) -> str:
 
 
 class _Tokenizer:
-    """Shared surface; subclasses set ``vocab_size``, ``eod`` and ``_identity``."""
+    """Shared surface; subclasses set ``vocab_size``, ``eod``, ``files`` and ``files_sha256``."""
 
     vocab_size: int
     eod: int | None
-    _identity: dict
+    files: list[str]
+    """The files the tokenizer reads, in the order ``files_sha256`` hashes them."""
+    files_sha256: str
+    _digest_key: str  # the name unique_identifiers gives the files' digest
+
+    def _read_files(self, *paths: str) -> None:
+        self.files = list(paths)
+        self.files_sha256 = _files_sha256(*paths)
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenize_batch([text])[0]
@@ -80,9 +106,14 @@ class _Tokenizer:
         raise NotImplementedError
 
     @property
+    def identity(self) -> TokenizerIdentity:
+        return TokenizerIdentity(type(self).__name__, self.vocab_size, self.files_sha256)
+
+    @property
     def unique_identifiers(self) -> dict:
         ids = {"class": type(self).__name__, "vocab_size": self.vocab_size, "eod": self.eod}
-        return {**ids, **self._identity}
+        # the key megatron-core's sample-index caches were written under: keep it as it was
+        return {**ids, self._digest_key: self.files_sha256[:16]}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod})"
@@ -90,6 +121,8 @@ class _Tokenizer:
 
 class SentencePieceTokenizer(_Tokenizer):
     """A SentencePiece model (LLaMA-1/2 use one); end of document = the model's EOS piece."""
+
+    _digest_key = "model_sha256"
 
     def __init__(self, model_file: str):
         import sentencepiece
@@ -104,7 +137,7 @@ class SentencePieceTokenizer(_Tokenizer):
         self.vocab_size = int(self._sp.vocab_size())
         eos = int(self._sp.eos_id())
         self.eod = eos if eos >= 0 else None
-        self._identity = {"model_sha256": _file_digest(model_file)}
+        self._read_files(model_file)
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         # one thread: preprocessing parallelises over worker processes instead
@@ -119,6 +152,8 @@ class GPT2BPETokenizer(_Tokenizer):
 
     Encoding is lossless: every string round-trips through ``detokenize(tokenize(s))``.
     """
+
+    _digest_key = "vocab_sha256"
 
     def __init__(self, vocab_file: str, merge_file: str):
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -137,7 +172,7 @@ class GPT2BPETokenizer(_Tokenizer):
         self._tok = tok
         self.vocab_size = int(tok.get_vocab_size())
         self.eod = tok.token_to_id(GPT2_EOD_TOKEN)
-        self._identity = {"vocab_sha256": _file_digest(vocab_file, merge_file)}
+        self._read_files(vocab_file, merge_file)
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [enc.ids for enc in self._tok.encode_batch(list(texts), add_special_tokens=False)]
@@ -152,6 +187,8 @@ class HuggingFaceTokenizer(_Tokenizer):
     No special tokens are added when tokenizing (pretraining data gets only the EOD that
     ``--append-eod`` asks for); end of document = the tokenizer's EOS token.
     """
+
+    _digest_key = "files_sha256"
 
     def __init__(self, path: str):
         try:
@@ -174,7 +211,7 @@ class HuggingFaceTokenizer(_Tokenizer):
             for f in os.listdir(path)
             if f.endswith((".json", ".txt", ".model")) and os.path.isfile(os.path.join(path, f))
         )
-        self._identity = {"files_sha256": _file_digest(*files)}
+        self._read_files(*files)
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self._tok(list(texts), add_special_tokens=False)["input_ids"]

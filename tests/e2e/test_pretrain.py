@@ -150,41 +150,6 @@ def _tempnet_state(save_dir) -> dict:
     return {k: v for k, v in _module(save_dir).items() if k.startswith("tempnet.")}
 
 
-def test_resume_is_exact_and_survives_a_crashed_save(corpus, tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    common = {"tensor-model-parallel-size": 2, "zero-stage": 1, "train-iters": 20,
-              "eval-interval": 0}  # fmt: skip
-    straight = tmp_path / "straight"
-    _pretrain(4, _args(corpus, tmp_path, **common, save=straight,
-                       **{"metrics-file": straight / "m.jsonl"}))  # fmt: skip
-    split = tmp_path / "split"
-    logs = {"metrics-file": split / "m.jsonl", "tensorboard-dir": split / "tb"}
-    first = {**common, "save": split, "save-interval": 5, "exit-interval": 10, **logs}
-    _pretrain(4, _args(corpus, tmp_path, **first))
-    assert open(split / "latest").read() == "iter_0000010"
-    # the run died after iteration 10 with its newest complete checkpoint at 5: the metrics file
-    # and TensorBoard hold iterations 6-10 (and the file a line cut short), which the resumed run
-    # writes again
-    (split / "latest").write_text("iter_0000005")
-    with open(split / "m.jsonl", "a") as f:
-        f.write('{"iteration": 11, "lo')
-    # a save that died half way: a directory for iteration 15, but `latest` still says 5
-    os.makedirs(split / "iter_0000015")
-    (split / "iter_0000015" / "mp_rank_00_model_states.pt").write_bytes(b"truncated")
-    second = {**common, "save": split, "load": split, **logs}
-    _pretrain(4, _args(corpus, tmp_path, **second))
-    resumed, reference = _curve(split / "m.jsonl"), _curve(straight / "m.jsonl")
-    assert [r["iteration"] for r in resumed] == list(range(1, 21))  # no iteration twice
-    events = EventAccumulator(str(split / "tb"))
-    events.Reload()
-    assert [e.step for e in events.Scalars("loss/loss")] == list(range(1, 21))
-    for got, ref in zip(resumed, reference):
-        assert got["loss"] == ref["loss"] and got["tau_mean"] == ref["tau_mean"], got["iteration"]
-    a, b = _tempnet_state(split), _tempnet_state(straight)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def test_freeze_lm_trains_tempnet_only(corpus, tmp_path):
     flags = {"freeze-lm": True, "save": tmp_path / "ckpt", "train-iters": 6, "eval-interval": 0,
              "metrics-file": tmp_path / "m.jsonl", "zero-stage": 1}  # fmt: skip
@@ -436,7 +401,8 @@ def test_setting_iii_tempnet_on_an_lm_only_checkpoint_in_float32_and_bf16(corpus
     torch.testing.assert_close(tau["bf16"], tau["fp32"], rtol=1e-2, atol=0)
     r = _pretrain(0, _args(corpus, tmp_path, **{**flags, "load": tmp_path / "nowhere"}),
                   check=False)  # fmt: skip
-    assert r.returncode == 1 and "no checkpoint there" in r.stderr
+    assert r.returncode == 1
+    assert f"error: --finetune --load {tmp_path / 'nowhere'}: no such directory" in r.stderr
 
 
 LLAMA = {"normalization": "RMSNorm", "swiglu": True, "untie-embeddings-and-output-weights": True,

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_tempnet.trainer.checkpoint_format import (
     COMPLETE,
@@ -98,8 +99,8 @@ def _finish(running: Running, timeout: float = 300) -> subprocess.CompletedProce
 def test_soak_random_kills_and_restarts_end_as_the_uninterrupted_run(corpus, tmp_path):
     """300 iterations, a checkpoint every 5; 16 faults: a rank SIGKILLed at each point of a
     save (twice for the in-file points), SIGKILL of all ranks and SIGTERM (preemption) at random
-    iterations; each time the run restarts from `latest`. Metrics, TempNet and LM equal an
-    uninterrupted run's."""
+    iterations; each time the run restarts from `latest`. The metrics file, TensorBoard's steps,
+    TempNet and the LM equal an uninterrupted run's."""
     iters, rng = 300, random.Random(24)
     common = {"train-iters": iters, "keep-last": 2}
     reference = tmp_path / "reference"
@@ -107,7 +108,8 @@ def test_soak_random_kills_and_restarts_end_as_the_uninterrupted_run(corpus, tmp
     run_entry_point("pretrain_gpt.py", 2, _args(corpus, tmp_path, **reference_flags))
     soak = tmp_path / "soak"
     metrics = soak / "m.jsonl"
-    flags = {**common, "save": soak, "load": soak, "metrics-file": metrics}
+    logs = {"metrics-file": metrics, "tensorboard-dir": soak / "tb"}
+    flags = {**common, "save": soak, "load": soak, **logs}
     plan = [("save", point) for point in faults.SAVE_POINTS]
     plan += [("save", p) for p in ("model", "optimizer", "rank_state", "between_ranks")]
     plan += [("SIGKILL", None)] * 2 + [("SIGTERM", None)] * 2
@@ -141,6 +143,9 @@ def test_soak_random_kills_and_restarts_end_as_the_uninterrupted_run(corpus, tmp
     assert sum(1 for _, before, after in log if after > before) >= 12, log  # progress was made
     assert _rows(metrics) == _rows(reference / "m.jsonl")
     assert [r["iteration"] for r in _rows(metrics)] == list(range(1, iters + 1))
+    events = EventAccumulator(str(soak / "tb"))  # each restart purged the steps it redid
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss/loss")] == list(range(1, iters + 1))
     got, want = _module(soak), _module(reference)
     assert got.keys() == want.keys() and any(k.startswith("tempnet.") for k in got)
     assert all(torch.equal(got[k], want[k]) for k in got)

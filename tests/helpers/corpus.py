@@ -67,7 +67,7 @@ def train_sentencepiece(directory: str, vocab_size: int = 400) -> str:
     return prefix + ".model"
 
 
-def _train_byte_level_bpe(vocab_size: int):
+def _train_byte_level_bpe(vocab_size: int, texts: list[str] | None = None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -79,13 +79,16 @@ def _train_byte_level_bpe(vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(pydoc_documents(), trainer)
+    tok.train_from_iterator(pydoc_documents() if texts is None else texts, trainer)
     return tok
 
 
-def train_gpt2_bpe(directory: str, vocab_size: int = 600) -> tuple[str, str]:
-    """A GPT-2-format BPE trained on pydoc: ``vocab.json`` + ``merges.txt`` (with <|endoftext|>)."""
-    tok = _train_byte_level_bpe(vocab_size)
+def train_gpt2_bpe(
+    directory: str, vocab_size: int = 600, texts: list[str] | None = None
+) -> tuple[str, str]:
+    """A GPT-2-format BPE trained on pydoc (or ``texts``): ``vocab.json`` + ``merges.txt``
+    (with <|endoftext|>)."""
+    tok = _train_byte_level_bpe(vocab_size, texts)
     vocab_file, merges_file = tok.model.save(directory, "gpt2_bpe")
     return vocab_file, merges_file
 

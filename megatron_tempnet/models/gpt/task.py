@@ -15,8 +15,14 @@ from functools import partial
 
 import torch
 
-from megatron_tempnet.data.gpt_data import GPTDataConfig, build_gpt_datasets, num_samples
+from megatron_tempnet.data.gpt_data import (
+    GPTDataConfig,
+    build_gpt_datasets,
+    num_samples,
+    parse_blend,
+)
 from megatron_tempnet.data.loader import DataState, ResumableLoader, dataset_fingerprint
+from megatron_tempnet.data.tokenizer_sidecar import check_tokenizer
 from megatron_tempnet.data.tokenizers import TokenizerConfig
 from megatron_tempnet.distributed.sharding import TensorLayout
 from megatron_tempnet.models.gpt.config import ModelConfig
@@ -127,17 +133,22 @@ class GPTTask:
         self.weights_reader = weights_reader
 
     def prepare(self, config: GPTRunConfig, world_size: int):
-        """The tokenizer (which decides the vocabulary size); every flag checked."""
+        """The tokenizer (which decides the vocabulary size); every flag checked, and every
+        dataset's recorded tokenizer (on every rank: a dataset of another tokenizer stops the
+        run before anything is built or written)."""
         tokenizer = config.tokenizer.build()
         if config.model.vocab_size is None:
             config.model.vocab_size = tokenizer.vocab_size
         validate_gpt(config, world_size)
+        check_tokenizer(parse_blend(config.data.data_path)[0], tokenizer.identity)
         return tokenizer
 
     def build_data(self, config: GPTRunConfig, tokenizer) -> TaskData:
         t = config.training
         sizes = num_samples(t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters)
-        train, valid, _ = build_gpt_datasets(config.data, tokenizer, sizes)
+        # an id the tokenizer cannot produce, or the embedding has no true row for, is wrong data
+        vocab = min(tokenizer.vocab_size, config.model.vocab_size)
+        train, valid, _ = build_gpt_datasets(config.data, tokenizer, sizes, vocab)
         return TaskData(train=train, valid=valid)
 
     def build_model(self, config: GPTRunConfig, data: TaskData) -> TrainModel:
