@@ -4,6 +4,7 @@ kills and restarts that must end exactly where an uninterrupted run does."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -46,6 +47,7 @@ def _args(corpus, tmp, **flags) -> list[str]:
         "log-interval": 1, "eval-interval": 0, "tempnet-hidden-size": 16,
         "tempnet-proj-size": 16, "tempnet-rho": 4, "lr": 1e-3, "zero-stage": 1, "seed": 7,
         "data-cache-path": str(tmp / "cache"), "num-workers": 0, "save-interval": 5,
+        "hidden-dropout": 0.1, "attention-dropout": 0.1,  # a resume must restore the RNGs too
     }  # fmt: skip
     return cli_flags(base, **flags)
 
@@ -66,6 +68,13 @@ def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
+def _refused(corpus, tmp, **flags) -> set[str]:
+    """The error lines of a 2-rank run that must stop, without a traceback."""
+    r = run_entry_point("pretrain_gpt.py", 2, _args(corpus, tmp, **flags), check=False)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    return set(_error_lines(r.stderr))
+
+
 def _start(corpus, tmp, setup=None, **flags) -> Running:
     out = tempfile.mkdtemp(dir=tmp)
     return Running("pretrain_gpt.py", _args(corpus, tmp, **flags), 2, out).start(setup)
@@ -73,7 +82,7 @@ def _start(corpus, tmp, setup=None, **flags) -> Running:
 
 def _kill_all(running: Running) -> None:
     for p in running.procs:
-        if p.is_alive():
+        with contextlib.suppress(ProcessLookupError):  # it may have ended meanwhile
             os.kill(p.pid, signal.SIGKILL)
 
 
@@ -130,7 +139,8 @@ def test_soak_random_kills_and_restarts_end_as_the_uninterrupted_run(corpus, tmp
             while _last_iteration(metrics) < target and all(p.is_alive() for p in running.procs):
                 time.sleep(0.01)
             for p in running.procs:
-                os.kill(p.pid, getattr(signal, kind))
+                with contextlib.suppress(ProcessLookupError):  # it may have ended meanwhile
+                    os.kill(p.pid, getattr(signal, kind))
             at = f"{kind} after iteration {_last_iteration(metrics)}"
         result = _finish(running)
         tag = latest_tag(soak)
@@ -186,9 +196,7 @@ def test_damaged_checkpoints_are_named_and_fallback_is_asked_for(corpus, tmp_pat
     damaged = save / "iter_0000010" / "mp_rank_00_model_states.pt"
     os.truncate(damaged, os.path.getsize(damaged) - 100)
     more = {**flags, "train-iters": 12, "save-interval": 0}
-    refused = run_entry_point("pretrain_gpt.py", 2, _args(corpus, tmp_path, **more), check=False)
-    assert refused.returncode != 0 and "Traceback" not in refused.stderr
-    assert set(_error_lines(refused.stderr)) == {
+    assert _refused(corpus, tmp_path, **more) == {
         f"error: --load {save}: {damaged} is truncated or altered: "
         f"{os.path.getsize(damaged)} bytes, {os.path.getsize(damaged) + 100} when saved; add "
         "--load-fallback to load the newest older checkpoint that is valid"
@@ -207,9 +215,7 @@ def test_damaged_checkpoints_are_named_and_fallback_is_asked_for(corpus, tmp_pat
     files = {f: file_digest(str(planted / f)) for f in json.load(open(planted / COMPLETE))["files"]}
     write_complete(str(planted), files)
     more["train-iters"] = 14
-    refused = run_entry_point("pretrain_gpt.py", 2, _args(corpus, tmp_path, **more), check=False)
-    assert refused.returncode != 0 and "Traceback" not in refused.stderr
-    assert set(_error_lines(refused.stderr)) == {
+    assert _refused(corpus, tmp_path, **more) == {
         f"error: --load {save}: {rank_file}: refused: loading it would run code (it calls "
         f"{open.__module__}.open); only files of tensors are loaded (torch.load "
         "weights_only=True); add --load-fallback to load the newest older checkpoint that is valid"
@@ -219,8 +225,6 @@ def test_damaged_checkpoints_are_named_and_fallback_is_asked_for(corpus, tmp_pat
     # a live run holds the lock: this test's own process, as the other run
     with open(save / LOCK, "w") as f:
         json.dump(Owner.this_process().__dict__, f)
-    busy = run_entry_point("pretrain_gpt.py", 2, _args(corpus, tmp_path, **more), check=False)
-    assert busy.returncode != 0 and "Traceback" not in busy.stderr
-    lines = set(_error_lines(busy.stderr))
+    lines = _refused(corpus, tmp_path, **more)
     assert len(lines) == 1 and f"is in use by another run: pid {os.getpid()} on" in lines.pop()
     assert os.path.exists(save / LOCK) and latest_tag(save) == "iter_0000012"
