@@ -30,6 +30,7 @@ from megatron_tempnet.distributed.sharding import (
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 from megatron_tempnet.trainer.file_io import FileWriter
 from megatron_tempnet.trainer.portable import MOMENTS, Layout, write_index, write_stage
+from megatron_tempnet.trainer.step import compute_device
 from megatron_tempnet.utils.logging import log_rank0
 
 
@@ -57,7 +58,7 @@ def _shape(param) -> tuple[int, ...]:
 
 def _has_master(param) -> bool:
     """DeepSpeed keeps this parameter's float32 master and AdamW state in its own partitions."""
-    return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
+    return compat.zero3_shape(param) is not None or compat.has_fragment_mapping(param)
 
 
 def _optimizer_step(engine) -> int:
@@ -125,7 +126,8 @@ def save_portable_state(
             tensors,
             writer,
         )
-    step = torch.tensor([_optimizer_step(engine)], dtype=torch.float64)
+    # on the compute device: NCCL reduces device tensors only
+    step = torch.full((1,), _optimizer_step(engine), dtype=torch.float64, device=compute_device())
     dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a stage without trained parameters has 0
     dist.barrier()
     if dist.get_rank() == 0:

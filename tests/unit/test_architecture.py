@@ -1,8 +1,10 @@
-"""The package's shape: no import cycles, no upward imports, every flag of both entry points with
-help text and its Megatron-LM name, and no reference to a design document outside the repository."""
+"""The package's shape: no import cycles, no upward imports, private upstream symbols in compat/
+only, every flag of both entry points with help text and its Megatron-LM name, and no reference
+to a design document outside the repository."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import sys
@@ -91,6 +93,92 @@ def test_no_upward_imports(graph):
     assert [p for p in sources if pattern.search(open(p).read())] == []
 
 
+UPSTREAM = ("megatron", "deepspeed")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_upstream_uses(source: str, path: str = "<source>") -> list[str]:
+    """Where ``source`` reaches a private megatron-core or DeepSpeed symbol: a private name
+    imported from them, a private attribute of a name imported from them, or a private
+    attribute named in ``getattr``/``hasattr``/``setattr`` (an upstream object's, since the
+    project's own objects are reached directly)."""
+    tree = ast.parse(source, path)
+    upstream, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(UPSTREAM):
+            for alias in node.names:
+                if _private(alias.name) or any(map(_private, node.module.split("."))):
+                    found.append(f"{path}:{node.lineno}: from {node.module} import {alias.name}")
+                upstream.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith(UPSTREAM):
+                    upstream.add((alias.asname or alias.name).split(".")[0])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in upstream:
+                found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+        ):
+            found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_private_upstream_symbols_live_in_compat_only():
+    """``megatron_tempnet/compat/`` names (and checks at start-up) every private symbol of
+    megatron-core and DeepSpeed the project uses; nothing else in the library touches one."""
+    found = []
+    for folder, _, files in os.walk(PACKAGE):
+        if os.path.relpath(folder, PACKAGE).split(os.sep)[0] == "compat":
+            continue
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                found += private_upstream_uses(open(path).read(), os.path.relpath(path, REPO))
+    assert found == []
+    compat = os.path.join(PACKAGE, "compat")
+    in_compat = []
+    for name in os.listdir(compat):
+        if name.endswith(".py"):
+            in_compat += private_upstream_uses(open(os.path.join(compat, name)).read(), name)
+    assert len(in_compat) >= 10  # the check sees them where they are allowed
+
+
+def test_the_private_symbol_check_finds_each_kind():
+    source = """
+from deepspeed.runtime.engine import DeepSpeedEngine
+from megatron.core.tensor_parallel import random as mc_random
+from megatron.core.utils import _private_helper
+import deepspeed
+DeepSpeedEngine._cast_module_mixed_precision
+mc_random._CUDA_RNG_STATE_TRACKER
+deepspeed.runtime._x
+hasattr(param, "_hp_mapping")
+self._own
+torch._foreach_mul_
+"""
+    assert private_upstream_uses(source) == [
+        "<source>:4: from megatron.core.utils import _private_helper",
+        "<source>:6: DeepSpeedEngine._cast_module_mixed_precision",
+        "<source>:7: mc_random._CUDA_RNG_STATE_TRACKER",
+        "<source>:8: deepspeed.runtime._x",
+        "<source>:9: hasattr(param, '_hp_mapping')",
+    ]
+
+
 def _family(module: str) -> str | None:
     parts = module.split(".")
     return parts[2] if len(parts) > 2 and parts[1] == "models" else None
@@ -158,8 +246,8 @@ def test_every_flag_has_help_and_keeps_its_name():
 
 
 # sbatch's and srun's options in the example scripts
-LAUNCHER_OPTIONS = """array cpus-per-task gpus-per-node job-name kill-on-bad-exit nodes ntasks
-ntasks-per-node open-mode output requeue signal time wait""".split()
+LAUNCHER_OPTIONS = """array cpus-per-task gpus-per-node gpus-per-task job-name kill-on-bad-exit
+nodes ntasks ntasks-per-node open-mode output requeue signal time wait""".split()
 
 
 def test_help_prints_and_example_scripts_use_only_known_flags():
