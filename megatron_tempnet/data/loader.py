@@ -133,7 +133,8 @@ class ResumableLoader:
             dataset,
             batch_sampler=sampler,
             num_workers=num_workers,
-            pin_memory=False,
+            # page-locked batches on a GPU machine: the step copies them without waiting
+            pin_memory=torch.cuda.is_available(),
             persistent_workers=num_workers > 0,
             worker_init_fn=_ignore_stop_signals if num_workers > 0 else None,
             # its own generator: the DataLoader draws a worker seed per iterator, which must

@@ -7,9 +7,12 @@ torch.distributed reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 from collections.abc import Mapping
+
+from megatron_tempnet.utils.cli import UserError
 
 DEFAULT_PORT = 29500
 
@@ -57,3 +60,43 @@ def launch_environment(env: Mapping[str, str]) -> dict[str, str]:
         "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"),
         "MASTER_PORT": env.get("MASTER_PORT") or str(_free_port()),
     }
+
+
+class DeviceBindingError(UserError, ValueError):
+    """This process cannot tell which visible GPU is its own; the message says how to launch."""
+
+
+def local_device_index(local_rank: int, visible: int, local_world_size: int | None = None) -> int:
+    """The index, among the GPUs this process sees, of its own GPU.
+
+    torchrun, and srun with ``--gpus-per-node``, show every GPU of the node to every process:
+    ``LOCAL_RANK`` picks one. srun with ``--gpus-per-task=1`` (or a ``CUDA_VISIBLE_DEVICES`` set
+    per process) shows each process its own GPU only, as index 0, whatever its ``LOCAL_RANK``.
+    """
+    if visible < 1:
+        raise DeviceBindingError("no GPU is visible to this process (CUDA_VISIBLE_DEVICES)")
+    if visible == 1:
+        return 0
+    if local_rank < visible and (local_world_size is None or local_world_size <= visible):
+        return local_rank
+    raise DeviceBindingError(
+        f"LOCAL_RANK {local_rank} of {local_world_size or '?'} processes on this node, but "
+        f"{visible} GPUs are visible to it: start one process per GPU (torchrun "
+        f"--nproc-per-node {visible}, or srun --ntasks-per-node {visible} --gpus-per-task 1)"
+    )
+
+
+def bind_device() -> int | None:
+    """Make this process's own GPU the current one (before NCCL's first use); returns its
+    index among the visible GPUs, or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    index = local_device_index(
+        int(os.environ.get("LOCAL_RANK", 0)),
+        torch.cuda.device_count(),
+        int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None,
+    )
+    torch.cuda.set_device(index)
+    return index

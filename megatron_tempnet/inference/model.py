@@ -103,7 +103,7 @@ def init_inference(tensor_parallel: int) -> None:
     from megatron.core import parallel_state
 
     from megatron_tempnet.compat import apply_cpu_support
-    from megatron_tempnet.distributed.launch import launch_environment
+    from megatron_tempnet.distributed.launch import bind_device, launch_environment
 
     apply_cpu_support()
     if dist.is_initialized():  # the caller set up the processes
@@ -116,8 +116,7 @@ def init_inference(tensor_parallel: int) -> None:
             f"--tensor-model-parallel-size ({tensor_parallel}) must equal the number of "
             f"processes ({world}): launch with torchrun --nproc-per-node {tensor_parallel}"
         )
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    bind_device()  # before NCCL's first use
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if not parallel_state.model_parallel_is_initialized():

@@ -14,7 +14,10 @@ Each TP rank holds ``[b, V_pad/tp]`` logits of the last position. Temperature sc
   ``softmax(L / tau)`` restricted to them. The noise ``g`` is drawn for the whole true vocabulary
   on every rank and each rank takes its columns, so the sample does not depend on the TP size.
   Every sequence draws from its own generator, seeded from the seed and the sequence's stream
-  number (its prompt's index): a sample does not depend on which prompts share its batch.
+  number (its prompt's index): a sample does not depend on which prompts share its batch. The
+  generators live on the logits' device, so the noise is drawn there (a CUDA generator draws
+  other numbers than a CPU one: a seed gives the same samples on every GPU layout, and other
+  samples on a CPU).
 """
 
 from __future__ import annotations
@@ -58,11 +61,11 @@ class TokenChooser:
         self.part = vocab_partition(partition, tp.rank, vocab_size)
         self._generators: dict[int, torch.Generator] = {}
 
-    def generator(self, stream: int) -> torch.Generator:
-        """The noise generator of sequence ``stream`` (created at its first draw)."""
+    def generator(self, stream: int, device: torch.device) -> torch.Generator:
+        """The noise generator of sequence ``stream`` on ``device`` (made at its first draw)."""
         if stream not in self._generators:
             seed = (self.config.seed * 0x9E3779B1 + stream) % (1 << 63)
-            self._generators[stream] = torch.Generator().manual_seed(seed)
+            self._generators[stream] = torch.Generator(device=device).manual_seed(seed)
         return self._generators[stream]
 
     def choose(
@@ -78,14 +81,20 @@ class TokenChooser:
         if self.config.top_p < 1.0:
             local = self._top_p(local, self.config.top_p)
         streams = range(local.shape[0]) if streams is None else streams
+        device = local.device
         u = torch.stack(
             [
-                torch.rand(self.vocab_size, generator=self.generator(i), dtype=torch.float64)
+                torch.rand(
+                    self.vocab_size,
+                    generator=self.generator(i, device),
+                    dtype=torch.float64,
+                    device=device,
+                )
                 for i in streams
             ]
         )
         gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-        noise = gumbel[:, self.part.start : self.part.start + self.part.n_true].to(local.device)
+        noise = gumbel[:, self.part.start : self.part.start + self.part.n_true]
         return self._argmax(local.double() + noise)
 
     def _argmax(self, local: torch.Tensor) -> torch.Tensor:

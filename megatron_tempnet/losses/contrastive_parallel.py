@@ -39,7 +39,8 @@ def gather_with_grad(local: torch.Tensor, group=None) -> torch.Tensor:
     return _GatherWithGrad.apply(local, group)
 
 
-def positive_columns(local_rows: int, group=None, device=None) -> torch.Tensor:
-    """The global-batch column of each local anchor's pair: ``rank * b + [0, b)``."""
+def positive_columns(local_rows: int, group=None, *, device: torch.device) -> torch.Tensor:
+    """The global-batch column of each local anchor's pair: ``rank * b + [0, b)``, on
+    ``device`` (the similarities')."""
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     return torch.arange(local_rows, device=device) + rank * local_rows

@@ -16,6 +16,8 @@ import functools
 import math
 import os
 import shutil
+import sysconfig
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -220,8 +222,9 @@ def transformer_config(
         shape.openai_gelu and not shape.swiglu and shape.add_bias_linear and shape.bias_gelu_fusion
     )
     fused_dropout = shape.bias_dropout_fusion
-    if (fused_swiglu or fused_gelu or fused_dropout) and not fusions_compile():
-        _warn_no_compiler()
+    missing = fusion_compiler_missing(torch.cuda.is_available())
+    if (fused_swiglu or fused_gelu or fused_dropout) and missing is not None:
+        _warn_no_compiler(missing)
         fused_swiglu = fused_gelu = fused_dropout = False
     return TransformerConfig(
         num_layers=shape.num_layers,
@@ -254,19 +257,34 @@ def transformer_config(
     )
 
 
-def fusions_compile() -> bool:
-    """megatron-core's fusions are ``torch.compile``d: by Triton on a GPU, by a C++ compiler
-    (``$CXX``, else ``g++``, as PyTorch's inductor looks for it) on a CPU."""
-    return torch.cuda.is_available() or shutil.which(os.environ.get("CXX", "g++")) is not None
+def fusion_compiler_missing(
+    cuda: bool, environ: Mapping[str, str] = os.environ, include: str | None = None
+) -> str | None:
+    """What ``torch.compile`` lacks here to build megatron-core's fusions, or None.
+
+    On a GPU, Triton builds a small C launcher for its kernels: a C compiler (``$CC``, else
+    ``gcc`` or ``clang``, as Triton looks for it) and Python's headers (``Python.h`` in
+    ``include``, default this interpreter's). On a CPU, inductor needs a C++ compiler (``$CXX``,
+    else ``g++``).
+    """
+    if not cuda:
+        cxx = environ.get("CXX", "g++")
+        return None if shutil.which(cxx) else f"no C++ compiler ({cxx}) for torch.compile"
+    cc = environ.get("CC") or next((c for c in ("gcc", "clang") if shutil.which(c)), None)
+    if cc is None or not shutil.which(cc):
+        return f"no C compiler ({cc or '$CC, gcc or clang'}) for Triton"
+    include = include or sysconfig.get_paths()["include"]
+    if not os.path.isfile(os.path.join(include, "Python.h")):
+        return f"no Python headers ({include}/Python.h) for Triton: install python3-dev"
+    return None
 
 
 @functools.cache
-def _warn_no_compiler() -> None:
+def _warn_no_compiler(missing: str) -> None:
     warn_rank0(
-        "no C++ compiler (%s) for torch.compile: megatron-core's bias fusions are off, the model "
-        "computes the same without them (install g++ or set CXX to use them; "
-        "--no-bias-swiglu-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion silence this)",
-        os.environ.get("CXX", "g++"),
+        "%s: megatron-core's bias fusions are off, the model computes the same without them "
+        "(--no-bias-swiglu-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion silence this)",
+        missing,
     )
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from megatron_tempnet import compat
+from megatron_tempnet.distributed.launch import bind_device
 from megatron_tempnet.distributed.mpu import MegatronMPU
 from megatron_tempnet.trainer.config import ConfigError, OptimizerConfig, RunConfig
 from megatron_tempnet.trainer.file_io import FileWriter, load_file
@@ -31,8 +32,7 @@ def init_process_groups(config: RunConfig) -> None:
 
     compat.check_upstream()
     compat.apply_cpu_support()
-    if torch.cuda.is_available():  # before NCCL's first use
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    bind_device()  # before NCCL's first use
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     p = config.parallel
@@ -103,6 +103,8 @@ def deepspeed_config(config: RunConfig, world_size: int) -> dict:
         zero_allow_untested_optimizer=True,  # our AdamW, with its parameter groups
         steps_per_print=base.get("steps_per_print", 10**9),  # we log ourselves
     )
+    # its throughput timer waits for the device twice per micro-batch; we time iterations
+    base.setdefault("timers", {"throughput": {"enabled": False}})
     if t.bf16:
         base["bf16"] = {"enabled": True}
     if t.fp16:
@@ -171,8 +173,9 @@ def build_engine(model: TrainModel, config: RunConfig, world_size: int):
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     mpu = module.mpu() if pipeline else MegatronMPU()
     files = compat.checkpoint_engine_class(FileWriter, load_file)
+    device = bind_device()  # DeepSpeed would take LOCAL_RANK, wrong with one GPU per task
     engine = compat.engine_class(pipeline, forward_only, files)(
-        args=None,
+        args=None if device is None else SimpleNamespace(device_rank=device),
         model=module,
         optimizer=optimizer,
         mpu=mpu,

@@ -27,6 +27,7 @@ from megatron_tempnet.trainer.engine import build_engine, init_process_groups, s
 from megatron_tempnet.trainer.metrics import RunLogger, memory_mb
 from megatron_tempnet.trainer.preemption import EXIT_REQUEUE, StopRequests
 from megatron_tempnet.trainer.run_lock import RunLock
+from megatron_tempnet.trainer.stats import read_step
 from megatron_tempnet.trainer.step import check_finite, compute_device
 from megatron_tempnet.trainer.task import Task, TaskData, TrainModel
 from megatron_tempnet.utils.logging import log_rank0
@@ -93,25 +94,33 @@ def _train(
     for iteration in range(start + 1, t.train_iters + 1):
         result.iteration = iteration
         rates = set_learning_rates(optimizer, iteration - 1, config.optimizer)
-        stats, grad_norm = step([next(loader) for _ in range(gas)])
-        check_finite(stats.metrics, grad_norm, iteration)
-        counted += stats.count
+        stats = step([next(loader) for _ in range(gas)])
+        # collective: all ranks stop together
+        stop = requests.flags(compute_device()) if ckpt.save and iteration < t.train_iters else None
+        # the iteration's one wait for the device: statistics, norm and stop flags in one copy
+        report = read_step(stats, *(() if stop is None else (stop,)))
+        overflow = t.fp16 and not stats.applied  # the loss scale is lowered, the step skipped
+        check_finite(report.metrics, report.grad_norm, iteration, overflow)
+        if overflow:
+            log_rank0("iteration %d: fp16 overflow, the optimizer step was skipped", iteration)
+        counted += report.count
         if iteration % config.logging.log_interval == 0 or iteration == t.train_iters:
             throughput = counted / max(time.perf_counter() - tic, 1e-9)
             result.metrics = {
-                **stats.metrics,
+                **report.metrics,
                 **rates,
-                "grad_norm": grad_norm,
+                "grad_norm": report.grad_norm,
                 f"{stats.unit}_per_sec": throughput,
                 "memory_mb": memory_mb(),
                 "consumed_samples": loader.state().consumed_samples,
             }
-            run_log.log(iteration, result.metrics, stats.tau_sample)
+            tau_sample = stats.tau_sample() if stats.tau_sample is not None else None
+            run_log.log(iteration, result.metrics, tau_sample)
             tic, counted = time.perf_counter(), 0.0
         if data.valid is not None and _should_validate(iteration, config, task):
             run_log.log(iteration, task.validate(engine, config, data))
-        if ckpt.save and iteration < t.train_iters:  # collective: all ranks stop together
-            result.stopped = requests.agreed(compute_device())
+        if stop is not None:
+            result.stopped = requests.decide(report.extra[0])
         if ckpt.save and (result.stopped or _should_save(iteration, config)):
             _save(engine, config, iteration, loader, data, model)
         if result.stopped:

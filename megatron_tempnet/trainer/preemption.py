@@ -8,7 +8,8 @@ on that status and the requeued job resumes from ``latest``.
 
 A signal reaches the ranks at different moments (or only some of them), so each rank's flags are
 all-reduced (MAX) once per iteration: every rank sees the same decision at the same iteration and
-the checkpoint is consistent.
+the checkpoint is consistent. The trainer reads the reduced flags with the iteration's statistics,
+in the one copy from the device it makes per iteration.
 """
 
 from __future__ import annotations
@@ -56,16 +57,26 @@ class StopRequests:
         elapsed = (time.monotonic() - self.start_time) / 60
         return bool(self.exit_duration_mins) and elapsed >= self.exit_duration_mins
 
-    def agreed(self, device: torch.device | str = "cpu") -> str | None:
-        """Why every rank stops now (``None``: go on). Collective over the default group."""
-        flags = torch.tensor(  # [signal number or 0, out of time]
-            [self.received or 0, int(self._out_of_time())], dtype=torch.int64, device=device
-        )
+    def flags(self, device: torch.device) -> torch.Tensor:
+        """``[signal number or 0, out of time]`` MAX-reduced over the default group (collective),
+        on ``device`` (the compute device: NCCL reduces device tensors), not read yet."""
+        flags = torch.zeros(2, dtype=torch.int64, device=device)
+        # filled on the device: a tensor made from Python values is a blocking copy
+        flags[0] = self.received or 0
+        flags[1] = int(self._out_of_time())
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        signum, out_of_time = (int(v) for v in flags.tolist())
+        return flags
+
+    def decide(self, flags: list[float]) -> str | None:
+        """Why every rank stops now (``None``: go on), from ``flags``'s values."""
+        signum, out_of_time = (int(v) for v in flags)
         if signum:
             return f"received {signal.Signals(signum).name}"
         if out_of_time:
             return f"--exit-duration-in-mins {self.exit_duration_mins:g} reached"
         return None
+
+    def agreed(self, device: torch.device) -> str | None:
+        """``decide(flags(device))``: collective, and it waits for the device."""
+        return self.decide(self.flags(device).tolist())

@@ -9,7 +9,7 @@ resume, preemption, logging. A ``Task`` brings what differs, and returns everyth
     model = task.build_model(config, data)          # TrainModel: module and parameter groups
     engine, optimizer = build_engine(model, ...)    # the trainer's
     step = task.build_step(engine, optimizer, config, data)
-    stats, grad_norm = step(micro_batches)          # one iteration: StepStats, norm or None
+    stats = step(micro_batches)                     # one iteration: StepStats (on the device)
     metrics = task.validate(engine, config, data)   # {"val_...": value}
 
 A task keeps no state between these calls: what a later call needs is in what an earlier one
@@ -94,9 +94,10 @@ class TrainModel:
     ``has(name, key)``), for weights-only loads of conversions made at another layout."""
 
 
-StepFunction = Callable[[list[dict]], tuple[StepStats, float | None]]
-"""One training iteration over its micro-batches: the reduced statistics and the global gradient
-norm before clipping (None where DeepSpeed reports none)."""
+StepFunction = Callable[[list[dict]], StepStats]
+"""One training iteration over its micro-batches: the reduced statistics, the global gradient
+norm before clipping (None where DeepSpeed reports none) and whether the optimizer stepped, left
+on the device (the loop reads them in one copy; a step never waits for the device itself)."""
 
 
 class Task(Protocol):

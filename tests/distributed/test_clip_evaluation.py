@@ -59,7 +59,7 @@ def _evaluate():
 
     def encode_texts(texts):
         ids = torch.tensor([NAMES.index(t.split()[-1]) for t in texts])[:, None].expand(-1, 3)
-        return FakeEngine()(None, ids, None)["text"]
+        return FakeEngine()(None, ids, None)["text"].cpu()  # on the host, as the task's
 
     return evaluate_clip(FakeEngine(), PairSet(23, 0), batch_size=4, dp_group=dist.group.WORLD,
                          encode_texts=encode_texts, templates=["a {}", "the digit {}"],

@@ -31,7 +31,7 @@ def _losses(loss: str):
     x, y = x[rows].clone().requires_grad_(True), y[rows].clone().requires_grad_(True)
     tau_x, tau_y = tau_x[rows], tau_y[rows]
     xg, yg = gather_with_grad(x), gather_with_grad(y)
-    positive = positive_columns(x.shape[0])
+    positive = positive_columns(x.shape[0], device=x.device)
     sims = (x @ yg.t(), y @ xg.t())  # image anchors vs all texts, text anchors vs all images
     if loss == "robust":
         zeros, unseen = torch.zeros(x.shape[0], dtype=torch.float64), torch.zeros(

@@ -115,3 +115,40 @@ def test_a_missing_causal_mask_helper_fails_loudly(monkeypatch):
     monkeypatch.delattr(fused_softmax, "get_default_causal_mask")
     with pytest.raises(compat.UpstreamError, match="get_default_causal_mask no longer"):
         compat.check_upstream()
+
+
+def _rng_streams_across_runtimes() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from megatron_tempnet.models.transformer import seed_rngs
+    from megatron_tempnet.trainer.checkpoint import _rng_state, _set_rng_state
+
+    compat.apply_cpu_support()
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    tracker = get_cuda_rng_tracker()
+    seed_rngs(3)
+    saved = _rng_state()
+    with tracker.fork():
+        first = torch.rand(4)
+    _set_rng_state(saved)  # the same runtime: the streams continue exactly
+    with tracker.fork():
+        again = torch.rand(4)
+    seed_rngs(3)
+    # a GPU run's file (before the runtime was recorded): Philox seed and offset, 16 bytes
+    philox = torch.zeros(16, dtype=torch.uint8)
+    gpu_file = {"torch": saved["torch"], "tracker": dict.fromkeys(saved["tracker"], philox),
+                "cuda": philox}  # fmt: skip
+    _set_rng_state(gpu_file)
+    with tracker.fork():  # set_rng_state refused a CUDA state here before
+        fresh = torch.rand(4)
+    return {"runtime": saved["runtime"], "again": torch.equal(first, again),
+            "from the seed": torch.equal(first, fresh)}  # fmt: skip
+
+
+def test_a_gpu_checkpoints_rng_streams_restart_on_cpu():
+    """A CPU generator state is no CUDA one: a checkpoint moves between CPU and GPU with its
+    dropout streams started again from the seeds (and exactly continued on the same runtime)."""
+    (out,) = run_distributed(_rng_streams_across_runtimes, world_size=1)
+    assert out == {"runtime": "cpu", "again": True, "from the seed": True}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 
 import pytest
 import torch
@@ -239,3 +240,20 @@ def test_without_a_compiler_the_fusions_are_off_with_a_warning(monkeypatch, capl
         without = transformer.transformer_config(shape)
     assert not without.bias_activation_fusion and not without.bias_dropout_fusion
     assert "no C++ compiler (no-such-compiler)" in caplog.text
+
+
+def test_on_a_gpu_triton_needs_a_c_compiler_and_python_headers(tmp_path):
+    """Triton compiles a C launcher: without a C compiler or Python.h the fusions would fail at
+    the first step on a GPU; they are reported missing instead (and turned off, as above)."""
+    from megatron_tempnet.models.transformer import fusion_compiler_missing
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    assert fusion_compiler_missing(True, {"CC": cc}) is None  # this machine has both
+    assert fusion_compiler_missing(True, {"CC": "no-such-cc"}) == (
+        "no C compiler (no-such-cc) for Triton"
+    )
+    missing = fusion_compiler_missing(True, {"CC": cc}, include=str(tmp_path))
+    assert missing == f"no Python headers ({tmp_path}/Python.h) for Triton: install python3-dev"
+    assert fusion_compiler_missing(False, {"CXX": "no-such-cxx"}) == (
+        "no C++ compiler (no-such-cxx) for torch.compile"
+    )

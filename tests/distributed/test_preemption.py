@@ -8,6 +8,7 @@ import time
 import torch.distributed as dist
 
 from megatron_tempnet.trainer.preemption import StopRequests
+from megatron_tempnet.trainer.step import compute_device
 from tests.helpers.distributed import run_distributed
 
 
@@ -17,10 +18,10 @@ def _decisions(signal_rank: int, signum: int, late_rank: int | None) -> list:
     requests = StopRequests(exit_duration_mins=1.5 if late_rank is not None else 0.0,
                             start_time=start).install()  # fmt: skip
     try:
-        decisions = [requests.agreed() if late_rank is None else None]
+        decisions = [requests.agreed(compute_device()) if late_rank is None else None]
         if rank == signal_rank:
             os.kill(os.getpid(), signum)  # the handler records it; nothing else happens
-        decisions.append(requests.agreed())
+        decisions.append(requests.agreed(compute_device()))
     finally:
         requests.restore()
     return decisions + [signal.getsignal(signum) is signal.SIG_DFL]

@@ -1,11 +1,13 @@
 """Vocabulary-parallel token choice (greedy, top-k, top-p, Gumbel-max sampling) against dense
-references written here, at TP = 1 and 2 (padding and uneven true columns included)."""
+references written here, at TP = 1 and 2 (padding and uneven true columns included); a choice
+makes no host synchronisation."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.helpers import device_rules
 from tests.helpers.distributed import run_distributed
 
 VOCAB, PADDED = 45, 48  # TP 2: rank 0 holds 24 true columns, rank 1 holds 21 + 3 padded
@@ -59,7 +61,11 @@ def _choose(tp: int, config: dict, draws: int, tau: list[float]):
         kept = chooser.tp.all_gather(
             torch.nn.functional.pad(kept, (0, part - kept.shape[1])), dim=1
         )[:, :VOCAB]  # test only: gather the mask to compare with the dense reference
-    return torch.stack([chooser.choose(local, tau_t) for _ in range(draws)]), kept
+    counter, before = device_rules.counter(), len(device_rules.counter().events)
+    chosen = torch.stack([chooser.choose(local, tau_t) for _ in range(draws)])
+    # choosing waits for nothing: the noise is drawn on the logits' device
+    assert counter.events[before:] == [], counter.events[before:]
+    return chosen, kept
 
 
 TAU = [0.5, 1.0, 2.0]

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import device_rules
 from tests.helpers.corpus import blend_corpus, pydoc_documents
 from tests.helpers.entry_points import cli_flags, run_command, run_entry_point, run_program
 from tests.helpers.wandb_run import read_offline_run
@@ -46,9 +47,14 @@ def _args(corpus, tmp, **flags) -> list[str]:
 
 
 def _pretrain(
-    nproc: int, args: list[str], check: bool = True, env: dict | None = None
+    nproc: int,
+    args: list[str],
+    check: bool = True,
+    env: dict | None = None,
+    device_rule: str | bool = True,
 ) -> subprocess.CompletedProcess:
-    return run_entry_point("pretrain_gpt.py", nproc, args, check, env)
+    """pretrain_gpt.py on ``nproc`` ranks, under the device rule (``run_program``)."""
+    return run_entry_point("pretrain_gpt.py", nproc, args, check, env, device_rule)
 
 
 def _curve(path) -> list[dict]:
@@ -100,6 +106,19 @@ def test_parallel_layouts_give_the_same_loss_curve(corpus, reference_curve, tmp_
         for key in ("loss", "ce_loss", "tau_mean", "grad_norm"):
             assert got[key] == pytest.approx(ref[key], rel=1e-5), (layout, got["iteration"], key)
         assert got["consumed_samples"] == ref["consumed_samples"]
+
+
+def test_a_steady_iteration_waits_for_the_device_at_most_once(corpus, tmp_path):
+    """At TP 2 x PP 2 under the device rule (NCCL's and CUDA's rules, as every run here), every
+    iteration that neither logs, validates nor saves, after the first, makes at most one host
+    synchronisation on every rank: the statistics, gradient norm and stop flags come back in one
+    copy (``trainer.stats.read_step``)."""
+    report = tmp_path / "syncs"
+    flags = {"tensor-model-parallel-size": 2, "pipeline-model-parallel-size": 2,
+             "train-iters": 8, "log-interval": 4, "eval-interval": 4, "save": tmp_path / "ckpt",
+             "save-interval": 4}  # fmt: skip
+    _pretrain(4, _args(corpus, tmp_path, **flags), device_rule=str(report))
+    device_rules.assert_steady_syncs(str(report), [2, 3, 5, 6, 7], ranks=4)
 
 
 def test_loader_workers_wandb_and_a_yaml_cfg_give_the_same_run(corpus, reference_curve, tmp_path):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatron_tempnet.models.clip.data.digits import write_digits_dataset
+from tests.helpers import device_rules
 from tests.helpers.entry_points import cli_flags, run_command, run_entry_point
 from tests.helpers.wandb_run import read_offline_run
 
@@ -58,9 +59,14 @@ def _args(digits, tmp, **flags) -> list[str]:
 
 
 def _pretrain(
-    nproc: int, args: list[str], check: bool = True, env: dict | None = None
+    nproc: int,
+    args: list[str],
+    check: bool = True,
+    env: dict | None = None,
+    device_rule: str | bool = True,
 ) -> subprocess.CompletedProcess:
-    return run_entry_point("pretrain_clip.py", nproc, args, check, env)
+    """pretrain_clip.py on ``nproc`` ranks, under the device rule (``run_program``)."""
+    return run_entry_point("pretrain_clip.py", nproc, args, check, env, device_rule)
 
 
 def _rows(path) -> list[dict]:
@@ -500,3 +506,16 @@ def test_pretrained_towers_from_a_hugging_face_clip_at_tp2(digits, tmp_path):
         assert len(towers) > 40 and all(k in before for k in towers)
         for key in towers:
             assert torch.equal(after[key], before[key]), key
+
+
+@pytest.mark.parametrize("loss", ["tempnet", "isogclr"])
+def test_a_steady_iteration_waits_for_the_device_at_most_once(digits, tmp_path, loss):
+    """DP 2 with the per-sample state (and TempNet, or iSogCLR's per-sample tau), under the
+    device rule: every iteration that neither logs nor validates, after the first, makes at most
+    one host synchronisation per rank (the state's rows are chosen by ``where``, its indices
+    checked on the host, the losses' scalars are Python numbers)."""
+    report = tmp_path / "syncs"
+    flags = {"clip-loss": loss, "micro-batch-size": 4, "train-iters": 8,
+             "log-interval": 4, "eval-interval": 4}  # fmt: skip
+    _pretrain(2, _args(digits, tmp_path, **flags), device_rule=str(report))
+    device_rules.assert_steady_syncs(str(report), [2, 3, 5, 6, 7], ranks=2)

@@ -5,6 +5,8 @@
 * ``fn`` runs in fresh processes (forked from the session's preloaded server, see
   ``processes``) with ``torch.distributed`` initialised (gloo, CPU) and must be importable (a
   module-level function). Its return values, one per rank, come back as a list.
+* Every rank enforces the GPU's device rules (``device_rules``): a host tensor given to a
+  collective or mixed with a device tensor fails the test with NCCL's or CUDA's error.
 * The rendezvous store is opened by this process on a port the OS picks, so tests never collide
   on ports.
 * If a rank raises, the test fails with that rank's traceback; if the ranks do not finish within
@@ -26,6 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tests.helpers import device_rules
 from tests.helpers.processes import context
 
 _HOST = "127.0.0.1"
@@ -48,6 +51,7 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout):
     torch.set_num_threads(1)
     payload = None
     try:
+        device_rules.install()  # NCCL's and CUDA's device rules, as on a GPU machine
         store = dist.TCPStore(_HOST, port, is_master=False, timeout=timedelta(seconds=timeout))
         dist.init_process_group(
             "gloo",

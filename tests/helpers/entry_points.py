@@ -6,7 +6,9 @@ as ``__main__`` in fresh processes with the environment torchrun gives its worke
 ``python script.py`` (no launcher variables). Like torchrun it stops the other ranks when one
 fails and reports 1 for any failure (the process's own status with ``nproc=0``). The processes
 come from the session's preloaded server (``processes``), so a run does not pay for the imports
-again. examples/quickstart.py and the SLURM tests run torchrun and srun themselves.
+again. Every process enforces the GPU's device rules (``device_rules``: NCCL's and CUDA's
+refusals of host tensors, host synchronisations counted per iteration). examples/quickstart.py
+and the SLURM tests run torchrun and srun themselves, without the rule.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import tempfile
 import time
 import traceback
 
+from tests.helpers import device_rules
 from tests.helpers.processes import context
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,9 +58,12 @@ def _main(
     err: str,
     stdin: str | None,
     setup: tuple | None = None,
+    device_rule: str | None = None,
 ) -> None:
     """One process: ``python target args`` (or ``python -m target args``); ``setup``: ``(f,
-    *args)`` called first (a test's fault injection, ``tests.helpers.faults``)."""
+    *args)`` called first (a test's fault injection, ``tests.helpers.faults``); ``device_rule``:
+    a directory: enforce the GPU's device rules (``tests.helpers.device_rules``) and write the
+    host synchronisations per iteration there."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -71,6 +77,8 @@ def _main(
         sys.stdin = open(stdin, encoding="utf-8")  # noqa: SIM115 (the process's stdin)
     code = 0
     try:
+        if device_rule is not None:
+            device_rules.install_for_run(device_rule)
         if setup is not None:
             setup[0](*setup[1:])
         if module:
@@ -106,13 +114,16 @@ def run_program(
     timeout: float = 600,
     input: str | None = None,
     setup: tuple | None = None,
+    device_rule: str | bool = True,
 ) -> subprocess.CompletedProcess:
     """Run ``target`` (a path, relative to the repository, or a module with ``module``) with
     ``args`` on ``nproc`` ranks (0: one plain process); returns its status and output.
-    ``setup``: ``(f, *args)`` each process calls first."""
+    ``setup``: ``(f, *args)`` each process calls first; ``device_rule``: every process enforces
+    the GPU's device rules (``tests.helpers.device_rules``), and writes its host
+    synchronisations per iteration into the directory given (False: no rule)."""
     with tempfile.TemporaryDirectory() as tmp:
         running = Running(target, args, nproc, tmp, module=module, env=env, input=input)
-        running.start(setup)
+        running.start(setup, device_rule)
         return running.wait(timeout)
 
 
@@ -133,8 +144,11 @@ class Running:
             with open(self.stdin, "w", encoding="utf-8") as f:
                 f.write(input)
 
-    def start(self, setup: tuple | None = None) -> Running:
+    def start(self, setup: tuple | None = None, device_rule: str | bool = True) -> Running:
         ctx, port = context(), str(_free_port())
+        if device_rule is True:
+            device_rule = os.path.join(self.tmp, "device_rule")
+        device_rule = device_rule or None
         for rank in range(max(self.nproc, 1)):
             rank_env = dict(self.base)
             if self.nproc:
@@ -148,7 +162,9 @@ class Running:
                 )
             out, err = self._output(rank)
             main_args = (self.path, self.args, self.module, rank_env, os.getcwd(), out, err)
-            self.procs.append(ctx.Process(target=_main, args=(*main_args, self.stdin, setup)))
+            self.procs.append(
+                ctx.Process(target=_main, args=(*main_args, self.stdin, setup, device_rule))
+            )
         for p in self.procs:
             p.start()
         return self
@@ -208,11 +224,17 @@ def _read(path: str) -> str:
 
 
 def run_entry_point(
-    script: str, nproc: int, args: list[str], check: bool = True, env: dict | None = None
+    script: str,
+    nproc: int,
+    args: list[str],
+    check: bool = True,
+    env: dict | None = None,
+    device_rule: str | bool = True,
 ) -> subprocess.CompletedProcess:
     """``script`` (``pretrain_gpt.py``, ``pretrain_clip.py``) on ``nproc`` CPU ranks (gloo);
-    ``nproc=0``: a plain process (what a user sees directly); ``env``: its environment."""
-    r = run_program(script, args, nproc, env=env)
+    ``nproc=0``: a plain process (what a user sees directly); ``env``: its environment;
+    ``device_rule``: ``run_program``'s."""
+    r = run_program(script, args, nproc, env=env, device_rule=device_rule)
     if check:
         assert r.returncode == 0, r.stderr[-4000:]
     return r

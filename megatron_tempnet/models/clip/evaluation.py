@@ -32,16 +32,17 @@ from megatron_tempnet.models.clip.step import unpack_batch
 
 
 def _gather_rows(local: torch.Tensor, total: int, group) -> torch.Tensor:
-    """Rows ``rank::world`` from every rank -> ``[total, ...]`` in dataset order."""
+    """Rows ``rank::world`` from every rank (on the device) -> ``[total, ...]`` in dataset
+    order, on the host."""
     world = dist.get_world_size(group)
     if world == 1:
-        return local
+        return local.cpu()
     per_rank = math.ceil(total / world)
-    padded = torch.zeros((per_rank, *local.shape[1:]), dtype=local.dtype)
+    padded = local.new_zeros((per_rank, *local.shape[1:]))
     padded[: local.shape[0]] = local
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded, group=group)
-    return torch.stack(parts, dim=1).reshape(per_rank * world, *local.shape[1:])[:total]
+    return torch.stack(parts, dim=1).reshape(per_rank * world, *local.shape[1:])[:total].cpu()
 
 
 @torch.no_grad()
@@ -62,7 +63,7 @@ def encode_dataset(engine, dataset, batch_size: int, dp_group) -> dict:
     for batch in loader:
         images, tokens, lengths, _ = unpack_batch(batch)
         for key, value in engine(images, tokens, lengths, encode=True).items():
-            parts.setdefault(key, []).append(value.float().cpu())
+            parts.setdefault(key, []).append(value.float())  # on the device until gathered
     engine.train()
     out = {key: _gather_rows(torch.cat(v), len(dataset), dp_group) for key, v in parts.items()}
     out["labels"] = [dataset.label(i) for i in range(len(dataset))]

@@ -117,7 +117,7 @@ class ContrastiveHead(CLIPTemperature):
         if cfg.clip_loss == "tempnet":
             return self.temperature(side, embedding)[0]
         if cfg.clip_loss == "isogclr":  # the sample's own tau (tau_init on a first visit)
-            return state[:, column[f"tau_{side}"]].where(seen, torch.tensor(cfg.tau_init))
+            return state[:, column[f"tau_{side}"]].where(seen, cfg.tau_init)
         return torch.full_like(embedding[:, 0], cfg.tau_init)
 
     def _robust(self, sims, embeddings, positive, state, seen) -> CLIPOutput:
@@ -143,7 +143,7 @@ class ContrastiveHead(CLIPTemperature):
             taus.append(tau.detach())
             new[f"s_{side}"], new[f"b_{side}"] = out.s, out.b
             if cfg.clip_loss == "isogclr":
-                u = state[:, column[f"u_{side}"]].where(seen, torch.tensor(0.0))
+                u = state[:, column[f"u_{side}"]].where(seen, 0.0)
                 new[f"tau_{side}"], new[f"u_{side}"] = isogclr_tau_update(tau, out.tau_grad, u, cfg)
         state_rows = torch.stack([new[f].detach().float() for f in cfg.state_fields], dim=1)
         return CLIPOutput(torch.cat(losses), torch.cat(taus), state_rows)

@@ -38,6 +38,7 @@ from megatron_tempnet.models.clip.towers import (
 from megatron_tempnet.models.transformer import seed_rngs
 from megatron_tempnet.trainer.pipeline import NormRecorder, Pipeline, share_from_last_stage
 from megatron_tempnet.trainer.stats import StepStats
+from megatron_tempnet.trainer.step import compute_device
 from megatron_tempnet.utils.precision import to_training_dtype
 
 ONE_PROCESS = "clip.pieces."  # ``CLIPTrainModule``'s names of the towers' pieces
@@ -130,11 +131,11 @@ class PipelineObjective:
 
     def __call__(self, features, indices):
         state = seen = None
-        if self.sample_state is not None:
-            state, seen = self.sample_state.fetch(indices)
+        if self.sample_state is not None:  # the indices were checked on the host
+            state, seen = self.sample_state.fetch(indices, checked=True)
         out = self.head.contrastive(*features, state, seen)
         if self.sample_state is not None:
-            self.sample_state.store(indices, out.state)
+            self.sample_state.store(indices, out.state, checked=True)
         self.stats.add(out)
         return out.loss.sum() / self.anchors * self.scale
 
@@ -214,7 +215,7 @@ def relay(module: CLIPPipeline, images, tokens, lengths, pp_group, finish) -> ob
     stage in evaluation mode; its result on every stage of ``pp_group``."""
     ranks = _stage_ranks(pp_group)
     stage = ranks.index(dist.get_rank())
-    device = lengths.device if lengths is not None else images.device
+    device = compute_device()
     was_training = module.training
     module.eval()
     x = (images, tokens, lengths)
@@ -275,14 +276,20 @@ def _micro_batches(batches: list[dict]):
 
 def pipeline_train_step(
     engine, batches: list[dict], *, dp_group, pp_group, norm: NormRecorder | None
-) -> tuple[StepStats, float | None]:
+) -> StepStats:
     """One iteration through DeepSpeed's pipeline schedule; the same results as ``train_step``."""
     objective: PipelineObjective = engine.module.loss_fn
+    if objective.sample_state is not None:  # on the host, before DeepSpeed moves them
+        for batch in batches:
+            objective.sample_state.check(batch["index"])
     dp = dist.get_world_size(group=dp_group)
     anchors = 2 * dp * sum(int(b["index"].shape[0]) for b in batches)
     objective.start_step(anchors, dp * len(batches))
     engine.train_batch(_micro_batches(batches))
-    stats = objective.stats.reduce(dp_group, pp_group)
-    stats.tau_sample = share_from_last_stage(objective.stats.sample, pp_group)
     grad_norm = norm.norm if norm is not None else engine.get_global_grad_norm()
-    return stats, None if grad_norm is None else float(grad_norm)
+    stats = objective.stats.reduce(
+        dp_group, pp_group, grad_norm=grad_norm, applied=engine.was_step_applied()
+    )
+    sample = stats.tau_sample
+    stats.tau_sample = lambda: share_from_last_stage(sample(), pp_group)
+    return stats

@@ -9,6 +9,11 @@ exchanges only the global batch's rows:
   every rank keeps the rows of its own anchors;
 - ``store(local_indices, values)``: the new rows are all-gathered and each owner writes its own.
 
+The state lives on the compute device. Rows are selected with ``where``, never by boolean
+indexing: the rows another rank owns are read from and written to one scratch row, so no shape
+depends on the indices and a step never waits for the device. The indices are checked against
+the dataset on the host (the loader's batch).
+
 Memory per rank: ``ceil(N / world) * (4 k + 1)`` bytes (float32 values + a bool). For 400M
 image-text pairs with (s, b) per image and per text and iSogCLR's two taus (k = 6): 400M x 25 B
 = 10 GB in all, 149 MiB per rank at DP = 64. Communication per step: ``O(B k)``.
@@ -21,6 +26,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from megatron_tempnet.trainer.step import compute_device
 from megatron_tempnet.utils.cli import UserError
 
 
@@ -37,8 +43,9 @@ class ShardedSampleState:
         fields: tuple[str, ...],
         group=None,
         dtype: torch.dtype = torch.float32,
-        device=None,
+        device: torch.device | None = None,
     ):
+        """``device``: where the state lives (default: the compute device)."""
         if num_samples < 1:
             raise SampleStateError(f"per-sample state needs a dataset size >= 1, got {num_samples}")
         self.group = group
@@ -46,18 +53,26 @@ class ShardedSampleState:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.num_samples, self.fields = num_samples, tuple(fields)
         owned = math.ceil(max(num_samples - self.rank, 0) / self.world)
-        self.values = torch.zeros(owned, len(self.fields), dtype=dtype, device=device)
-        self.seen = torch.zeros(owned, dtype=torch.bool, device=device)
+        device = compute_device() if device is None else device
+        # one row more: the scratch row that other ranks' samples read and write
+        self._values = torch.zeros(owned + 1, len(self.fields), dtype=dtype, device=device)
+        self._seen = torch.zeros(owned + 1, dtype=torch.bool, device=device)
+        self.values, self.seen = self._values[:owned], self._seen[:owned]
+        self._scratch = owned
 
     @staticmethod
     def bytes_per_rank(num_samples: int, num_fields: int, world: int, itemsize: int = 4) -> int:
         return math.ceil(num_samples / world) * (num_fields * itemsize + 1)
 
-    def _check(self, indices: torch.Tensor) -> None:
-        bad = indices[(indices < 0) | (indices >= self.num_samples)]
-        if bad.numel():
+    def check(self, indices: torch.Tensor) -> None:
+        """Every index in the dataset (``indices`` on the host: a device tensor would wait)."""
+        if indices.numel() == 0:
+            return
+        low, high = int(indices.min()), int(indices.max())
+        bad = low if low < 0 else high if high >= self.num_samples else None
+        if bad is not None:
             raise SampleStateError(
-                f"sample index {int(bad[0])} is outside the dataset's {self.num_samples} samples"
+                f"sample index {bad} is outside the dataset's {self.num_samples} samples"
             )
 
     def _all_gather(self, local: torch.Tensor) -> torch.Tensor:
@@ -67,37 +82,42 @@ class ShardedSampleState:
         dist.all_gather(parts, local.contiguous(), group=self.group)
         return torch.cat(parts)
 
-    def fetch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's anchors' rows: ``values [b, k]`` and ``seen [b]`` (collective)."""
-        self._check(indices)
-        everyone = self._all_gather(indices.to(self.values.device))  # [B]
+    def _rows(self, everyone: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which of the global batch's samples this rank owns (``[B]`` bool), and their rows
+        (the scratch row for the others)."""
         mine = everyone % self.world == self.rank
-        width = len(self.fields) + 1
-        buffer = torch.zeros(
-            everyone.numel(), width, dtype=torch.float64, device=self.values.device
-        )
-        rows = everyone[mine] // self.world
-        buffer[mine, :-1] = self.values[rows].double()
-        buffer[mine, -1] = self.seen[rows].double()
+        return mine, torch.where(mine, everyone // self.world, self._scratch)
+
+    def fetch(
+        self, indices: torch.Tensor, checked: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's anchors' rows: ``values [b, k]`` and ``seen [b]`` (collective).
+        ``checked``: the indices passed ``check`` already (on the host)."""
+        if not checked:
+            self.check(indices)
+        everyone = self._all_gather(indices.to(self._values.device, non_blocking=True))  # [B]
+        mine, rows = self._rows(everyone)
+        held = torch.cat([self._values[rows].double(), self._seen[rows, None].double()], dim=1)
+        buffer = torch.where(mine[:, None], held, 0.0)  # [B, k + 1]
         if self.world > 1:
             dist.all_reduce(buffer, group=self.group)
         start = self.rank * indices.numel()
         local = buffer[start : start + indices.numel()]
-        return local[:, :-1].to(self.values.dtype), local[:, -1] > 0.5
+        return local[:, :-1].to(self._values.dtype), local[:, -1] > 0.5
 
-    def store(self, indices: torch.Tensor, values: torch.Tensor) -> None:
+    def store(self, indices: torch.Tensor, values: torch.Tensor, checked: bool = False) -> None:
         """Write this rank's anchors' new rows and mark them seen (collective)."""
-        self._check(indices)
+        if not checked:
+            self.check(indices)
         if values.shape != (indices.numel(), len(self.fields)):
             raise SampleStateError(
                 f"values {tuple(values.shape)} should be ({indices.numel()}, {len(self.fields)})"
             )
-        everyone = self._all_gather(indices.to(self.values.device))
-        new = self._all_gather(values.detach().to(self.values.device, self.values.dtype))
-        mine = everyone % self.world == self.rank
-        rows = everyone[mine] // self.world
-        self.values[rows] = new[mine]
-        self.seen[rows] = True
+        everyone = self._all_gather(indices.to(self._values.device, non_blocking=True))
+        new = self._all_gather(values.detach().to(self._values.device, self._values.dtype))
+        _, rows = self._rows(everyone)
+        self._values[rows] = new
+        self._seen[rows] = True
 
     def state_dict(self) -> dict:
         return {

@@ -31,9 +31,12 @@ STATS = {
 
 
 def unpack_batch(batch: dict) -> tuple[torch.Tensor, ...]:
-    """``(images [b, C, S, S], tokens [b, L], lengths [b], indices [b])`` on the device."""
+    """``(images [b, C, S, S], tokens [b, L], lengths [b], indices [b])`` on the device (copied
+    without waiting: the loader pins its batches on a GPU machine)."""
     device = compute_device()
-    return tuple(batch[k].to(device) for k in ("image", "tokens", "length", "index"))
+    return tuple(
+        batch[k].to(device, non_blocking=True) for k in ("image", "tokens", "length", "index")
+    )
 
 
 class ContrastiveStatistics:
@@ -41,7 +44,7 @@ class ContrastiveStatistics:
 
     def __init__(self):
         self.stats = Statistics(STATS, compute_device())
-        self.sample = torch.zeros(0)
+        self.last: torch.Tensor | None = None
 
     def add(self, out: CLIPOutput) -> None:
         """One micro-batch's ``2 n`` anchors (images first)."""
@@ -55,26 +58,40 @@ class ContrastiveStatistics:
             tau_min=tau.min(),
             tau_max=tau.max(),
         )
-        self.sample = out.tau.float().cpu()
+        self.last = out.tau.detach()
 
-    def reduce(self, *groups) -> StepStats:
+    def sample(self) -> torch.Tensor:
+        """The last micro-batch's taus, on the host (empty if none)."""
+        return torch.zeros(0) if self.last is None else self.last.float().cpu()
+
+    def reduce(self, *groups, grad_norm=None, applied: bool = True) -> StepStats:
         """Reduced over ``groups`` (data parallel; then the pipeline, whose last stage alone
-        holds statistics)."""
-        totals = self.stats.reduce(*groups)
-        anchors = max(totals["anchors"], 1.0)
-        tau_mean, tau_std = mean_and_std(
-            totals["tau_image"] + totals["tau_text"], totals["tau_sq"], anchors
+        holds statistics), on the device."""
+        totals = self.stats.reduce_on_device(*groups)
+        return StepStats(
+            totals, contrastive_metrics, _pairs, "samples", grad_norm, applied, self.sample
         )
-        metrics = {
-            "loss": totals["loss"] / anchors,
-            "tau_mean": tau_mean,
-            "tau_image_mean": 2 * totals["tau_image"] / anchors,
-            "tau_text_mean": 2 * totals["tau_text"] / anchors,
-            "tau_std": tau_std,
-            "tau_min": totals["tau_min"],
-            "tau_max": totals["tau_max"],
-        }
-        return StepStats(metrics, count=anchors / 2, unit="samples", tau_sample=self.sample)
+
+
+def contrastive_metrics(totals: dict[str, float]) -> dict[str, float]:
+    """The logged metrics from the iteration's reduced sums (``STATS``)."""
+    anchors = max(totals["anchors"], 1.0)
+    tau_mean, tau_std = mean_and_std(
+        totals["tau_image"] + totals["tau_text"], totals["tau_sq"], anchors
+    )
+    return {
+        "loss": totals["loss"] / anchors,
+        "tau_mean": tau_mean,
+        "tau_image_mean": 2 * totals["tau_image"] / anchors,
+        "tau_text_mean": 2 * totals["tau_text"] / anchors,
+        "tau_std": tau_std,
+        "tau_min": totals["tau_min"],
+        "tau_max": totals["tau_max"],
+    }
+
+
+def _pairs(totals: dict[str, float]) -> float:
+    return max(totals["anchors"], 1.0) / 2
 
 
 def train_step(
@@ -84,27 +101,28 @@ def train_step(
     dp_group,
     max_grad_norm: float | None,
     sample_state: ShardedSampleState | None,
-) -> tuple[StepStats, float | None]:
+) -> StepStats:
     """Forward/backward of every micro-batch, then one optimizer step; updates the state.
 
-    ``max_grad_norm``: clip here (0 = measure only), or None to leave it to DeepSpeed.
+    ``max_grad_norm``: clip here (0 = measure only), or None to leave it to DeepSpeed. Nothing
+    here waits for the device.
     """
     dp = dist.get_world_size(group=dp_group)
     anchors = 2 * dp * sum(int(b["index"].shape[0]) for b in batches)  # 2 B
     stats, grad_norm = ContrastiveStatistics(), None
     for batch in batches:
-        images, tokens, lengths, indices = unpack_batch(batch)
+        images, tokens, lengths, _ = unpack_batch(batch)
         state = seen = None
-        if sample_state is not None:
-            state, seen = sample_state.fetch(indices)
+        if sample_state is not None:  # the host's indices: checked without waiting
+            state, seen = sample_state.fetch(batch["index"])
         out = engine(images, tokens, lengths, state, seen)  # CLIPTrainModule.forward
         engine.backward(out.loss.sum() / anchors * dp, scale_wrt_gas=False)
         if max_grad_norm is not None and engine.is_gradient_accumulation_boundary():
             grad_norm = clip_grad_norm_(engine.module.parameters(), max_grad_norm)
         engine.step()
         if sample_state is not None:
-            sample_state.store(indices, out.state)
+            sample_state.store(batch["index"], out.state)
         stats.add(out)
     if max_grad_norm is None:
         grad_norm = engine.get_global_grad_norm()
-    return stats.reduce(dp_group), None if grad_norm is None else float(grad_norm)
+    return stats.reduce(dp_group, grad_norm=grad_norm, applied=engine.was_step_applied())

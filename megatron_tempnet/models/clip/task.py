@@ -24,13 +24,13 @@ from megatron_tempnet.models.clip.data.sampling import EpochShuffledDataset
 from megatron_tempnet.models.clip.evaluation import evaluate_clip
 from megatron_tempnet.models.clip.objective import CLIPTrainModule
 from megatron_tempnet.models.clip.sample_state import SampleStateError, ShardedSampleState
-from megatron_tempnet.models.clip.step import train_step
+from megatron_tempnet.models.clip.step import train_step, unpack_batch
 from megatron_tempnet.models.clip.towers import CLIPModel
 from megatron_tempnet.models.transformer import seed_rngs
 from megatron_tempnet.tempnet.clip import TempNetCLIP
 from megatron_tempnet.trainer.config import ConfigError, OptimizerConfig, RunConfig, validate_run
 from megatron_tempnet.trainer.engine import model_and_own_groups
-from megatron_tempnet.trainer.step import step_max_grad_norm
+from megatron_tempnet.trainer.step import compute_device, step_max_grad_norm
 from megatron_tempnet.trainer.task import ParamGroup, TaskData, TrainModel
 from megatron_tempnet.utils.flags import option
 from megatron_tempnet.utils.logging import log_rank0
@@ -167,10 +167,7 @@ class CLIPTask:
             # sharded over the (last stage's) data-parallel ranks, keyed by the pair's index
             rank_state = PerSampleState(
                 ShardedSampleState(
-                    len(pairs),
-                    fields,
-                    group=parallel_state.get_data_parallel_group(),
-                    device="cuda" if torch.cuda.is_available() else None,
+                    len(pairs), fields, group=parallel_state.get_data_parallel_group()
                 )
             )
         return CLIPData(
@@ -202,10 +199,11 @@ class CLIPTask:
         )
         # as DeepSpeed casts it; the temperature and the loss compute in float32
         to_training_dtype(module, dtype)
+        # whole on the device first: megatron-core put the linear layers there already
+        module = module.to(compute_device())
         if config.loss.uses_tempnet:
             _init_prototypes(module, data.pairs, config.loss.tempnet_proj_size, t.seed)
         seed_rngs(t.seed)
-        module = module.cuda() if torch.cuda.is_available() else module
         m, tp = config.model, config.parallel.tensor_model_parallel_size
         layout = TensorLayout(m.vocab_size, m.padded_vocab_size(tp))
         return TrainModel(
@@ -281,6 +279,7 @@ class CLIPTask:
 
         def encode_texts(texts: list[str]) -> torch.Tensor:
             tokens, lengths = tokenize_captions(data.tokenizer, texts, config.model.context_length)
+            tokens, lengths = tokens.to(compute_device()), lengths.to(compute_device())
             engine.eval()
             out = engine(None, tokens, lengths, encode=True)["text"].float().cpu()
             engine.train()
@@ -354,7 +353,8 @@ def _init_prototypes(module: CLIPTrainModule, pairs: ImageTextDataset, count: in
     """From ``count`` pairs drawn with ``seed``; a resumed run then loads the trained prototypes
     over them."""
     batch = _prototype_pairs(pairs, count, seed)
+    images, tokens, lengths, _ = unpack_batch(batch)
     module.eval()
-    module.init_prototypes(batch["image"], batch["tokens"], batch["length"])
+    module.init_prototypes(images, tokens, lengths)
     module.train()
     log_rank0("TempNet prototypes initialised from %d training pairs (the other modality)", count)

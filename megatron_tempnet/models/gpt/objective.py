@@ -199,7 +199,10 @@ def masked_mean(values: torch.Tensor, loss_mask: torch.Tensor, num_tokens: torch
     ``num_tokens`` is the number of unmasked tokens in the whole global batch (all micro-batches
     and data-parallel ranks), so gradients summed over them equal the global-batch mean.
     """
-    return (values.float() * loss_mask.float()).sum() / num_tokens
+    total = (values.float() * loss_mask.float()).sum()
+    if isinstance(num_tokens, torch.Tensor):  # a count on the device: divide in float32 too
+        num_tokens = num_tokens.to(total.dtype)
+    return total / num_tokens
 
 
 class OutputStage(torch.nn.Module):

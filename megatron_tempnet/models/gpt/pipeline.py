@@ -69,8 +69,8 @@ class PipelineObjective:
         self.train_stats = TokenStatistics()
         self.valid_stats = Statistics(VALID_STATS, compute_device())
 
-    def start_step(self, num_tokens: float, scale: float) -> None:
-        """A new iteration: ``num_tokens`` unmasked tokens in the global batch."""
+    def start_step(self, num_tokens: torch.Tensor, scale: float) -> None:
+        """A new iteration: ``num_tokens`` unmasked tokens in the global batch (on the device)."""
         self.num_tokens, self.scale = num_tokens, scale
         self.train_stats = TokenStatistics()
 
@@ -95,7 +95,7 @@ class PipelineObjective:
             self.train_stats.add(out, mask)
             return masked_mean(out.loss, mask, self.num_tokens) * self.scale
         add_validation(self.valid_stats, out, mask)
-        return masked_mean(out.ce, mask, max(float(mask.sum()), 1.0))
+        return masked_mean(out.ce, mask, mask.sum().clamp(min=1))
 
 
 class GPTPipeline(Pipeline):
@@ -159,17 +159,20 @@ def _micro_batches(unpacked: list[tuple]):
 
 def pipeline_train_step(
     engine, batches: list[dict], *, dp_group, pp_group, norm: NormRecorder | None
-) -> tuple[StepStats, float | None]:
+) -> StepStats:
     """One iteration through DeepSpeed's pipeline schedule; same results as ``train_step``."""
     objective: PipelineObjective = engine.module.loss_fn
     unpacked = [unpack_batch(b) for b in batches]
     dp = torch.distributed.get_world_size(group=dp_group)
     objective.start_step(global_token_count(unpacked, dp_group), dp * len(batches))
     engine.train_batch(_micro_batches(unpacked))
-    stats = objective.train_stats.reduce(dp_group, pp_group)
-    stats.tau_sample = share_from_last_stage(objective.train_stats.sample, pp_group)
     grad_norm = norm.norm if norm is not None else engine.get_global_grad_norm()
-    return stats, None if grad_norm is None else float(grad_norm)
+    stats = objective.train_stats.reduce(
+        dp_group, pp_group, grad_norm=grad_norm, applied=engine.was_step_applied()
+    )
+    sample = stats.tau_sample
+    stats.tau_sample = lambda: share_from_last_stage(sample(), pp_group)
+    return stats
 
 
 @torch.no_grad()

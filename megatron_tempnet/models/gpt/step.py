@@ -29,65 +29,88 @@ VALID_STATS = {"tokens": SUM, "ce": SUM, "ts_ce": SUM, "tau": SUM}
 
 
 def unpack_batch(batch: dict) -> tuple[torch.Tensor, ...]:
-    """``(tokens, labels, loss_mask, position_ids)``, each ``[b, s]``, on the compute device."""
+    """``(tokens, labels, loss_mask, position_ids)``, each ``[b, s]``, on the compute device
+    (copied without waiting: the loader pins its batches on a GPU machine)."""
     keys = ("tokens", "labels", "loss_mask", "position_ids")
-    return tuple(batch[k].to(compute_device()) for k in keys)
+    device = compute_device()
+    return tuple(batch[k].to(device, non_blocking=True) for k in keys)
 
 
 class TokenStatistics:
-    """The iteration's token-weighted sums and tau extremes, and the last micro-batch's taus."""
+    """The iteration's token-weighted sums and tau extremes, and the last micro-batch's taus.
+
+    Masked tokens are left out by ``where``, never by boolean indexing: a shape that depends on
+    the mask would make the host wait for the device at every micro-batch.
+    """
 
     def __init__(self):
         self.stats = Statistics(TRAIN_STATS, compute_device())
-        self.sample = torch.zeros(0)
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def add(self, out: TokenLosses, mask: torch.Tensor) -> None:
         keep = mask.bool()
-        tau = out.tau.double()[keep]
+        tau = out.tau.detach().double()
+        kept = torch.where(keep, tau, 0.0)
         self.stats.add(
             tokens=keep.sum(),
-            loss=out.loss.detach().double()[keep].sum(),
-            ce=out.ce.double()[keep].sum(),
-            tau=tau.sum(),
-            tau_sq=(tau * tau).sum(),
+            loss=torch.where(keep, out.loss.detach().double(), 0.0).sum(),
+            ce=torch.where(keep, out.ce.detach().double(), 0.0).sum(),
+            tau=kept.sum(),
+            tau_sq=(kept * kept).sum(),
+            tau_min=torch.where(keep, tau, math.inf).min(),
+            tau_max=torch.where(keep, tau, -math.inf).max(),
         )
-        if tau.numel():
-            self.stats.add(tau_min=tau.min(), tau_max=tau.max())
-        self.sample = tau.float().cpu()
+        self.last = (out.tau.detach(), keep)
 
-    def reduce(self, *groups) -> StepStats:
+    def sample(self) -> torch.Tensor:
+        """The last micro-batch's taus of its unmasked tokens, on the host (empty if none)."""
+        if self.last is None:
+            return torch.zeros(0)
+        tau, keep = self.last
+        return tau[keep].float().cpu()
+
+    def reduce(self, *groups, grad_norm=None, applied: bool = True) -> StepStats:
         """Reduced over ``groups`` (data parallel; then the pipeline, whose last stage alone
-        holds statistics)."""
-        totals = self.stats.reduce(*groups)
-        tokens = max(totals["tokens"], 1.0)
-        tau_mean, tau_std = mean_and_std(totals["tau"], totals["tau_sq"], tokens)
-        metrics = {
-            "loss": totals["loss"] / tokens,
-            "ce_loss": totals["ce"] / tokens,
-            "tau_mean": tau_mean,
-            "tau_std": tau_std,
-            "tau_min": totals["tau_min"],
-            "tau_max": totals["tau_max"],
-            "tokens": tokens,
-        }
-        return StepStats(metrics, count=tokens, unit="tokens", tau_sample=self.sample)
+        holds statistics), on the device."""
+        totals = self.stats.reduce_on_device(*groups)
+        return StepStats(
+            totals, token_metrics, _tokens, "tokens", grad_norm, applied, tau_sample=self.sample
+        )
 
 
-def global_token_count(unpacked: list[tuple], dp_group) -> float:
-    """Unmasked tokens in the global batch: this rank's micro-batches, summed over DP."""
+def token_metrics(totals: dict[str, float]) -> dict[str, float]:
+    """The logged metrics from the iteration's reduced sums (``TRAIN_STATS``)."""
+    tokens = max(totals["tokens"], 1.0)
+    tau_mean, tau_std = mean_and_std(totals["tau"], totals["tau_sq"], tokens)
+    return {
+        "loss": totals["loss"] / tokens,
+        "ce_loss": totals["ce"] / tokens,
+        "tau_mean": tau_mean,
+        "tau_std": tau_std,
+        "tau_min": totals["tau_min"],
+        "tau_max": totals["tau_max"],
+        "tokens": tokens,
+    }
+
+
+def _tokens(totals: dict[str, float]) -> float:
+    return max(totals["tokens"], 1.0)
+
+
+def global_token_count(unpacked: list[tuple], dp_group) -> torch.Tensor:
+    """Unmasked tokens in the global batch (at least 1): this rank's micro-batches, summed over
+    DP; a float64 scalar on the device."""
     num_tokens = torch.stack([u[2].sum() for u in unpacked]).sum().double().reshape(1)
     dist.all_reduce(num_tokens, group=dp_group)
-    return max(float(num_tokens), 1.0)
+    return num_tokens.clamp(min=1.0).reshape(())
 
 
-def train_step(
-    engine, batches: list[dict], *, dp_group, max_grad_norm: float | None
-) -> tuple[StepStats, float | None]:
+def train_step(engine, batches: list[dict], *, dp_group, max_grad_norm: float | None) -> StepStats:
     """Forward/backward over the iteration's micro-batches and one optimizer step.
 
     ``max_grad_norm``: clip here (ZeRO 0, where DeepSpeed reports no norm; 0 = measure only),
-    or None to leave clipping to DeepSpeed. Returns the stats and the global gradient norm
-    (before clipping).
+    or None to leave clipping to DeepSpeed. The stats carry the global gradient norm (before
+    clipping). Nothing here waits for the device.
     """
     dp = dist.get_world_size(group=dp_group)
     unpacked = [unpack_batch(b) for b in batches]
@@ -107,7 +130,7 @@ def train_step(
         stats.add(out, mask)
     if max_grad_norm is None:
         grad_norm = engine.get_global_grad_norm()
-    return stats.reduce(dp_group), None if grad_norm is None else float(grad_norm)
+    return stats.reduce(dp_group, grad_norm=grad_norm, applied=engine.was_step_applied())
 
 
 def add_validation(stats: Statistics, out: TokenLosses, mask: torch.Tensor) -> None:
@@ -115,9 +138,9 @@ def add_validation(stats: Statistics, out: TokenLosses, mask: torch.Tensor) -> N
     keep = mask.bool()
     stats.add(
         tokens=keep.sum(),
-        ce=out.ce.double()[keep].sum(),
-        ts_ce=out.ts_ce.double()[keep].sum(),
-        tau=out.tau.double()[keep].sum(),
+        ce=torch.where(keep, out.ce.double(), 0.0).sum(),
+        ts_ce=torch.where(keep, out.ts_ce.double(), 0.0).sum(),
+        tau=torch.where(keep, out.tau.double(), 0.0).sum(),
     )
 
 

@@ -122,6 +122,12 @@ def tempnet_kwargs(config: GPTRunConfig, tp_group) -> dict:
     )
 
 
+# Activations travel whole between stages. DeepSpeed's default cuts the first one over TP and
+# all-gathers it on the receiving stage (1/TP of the bytes between stages), but reads each
+# piece's shape back from the device, a host synchronisation per micro-batch and direction.
+PIPELINE_ENGINE = {"pipeline": {"pipe_partitioned": False, "grad_partitioned": False}}
+
+
 class GPTTask:
     """The GPT family's part of a run (``trainer.task.Task``). ``weights_reader``: the reader
     of weights-only conversions at another layout (``inference.checkpoint_io``'s
@@ -168,6 +174,9 @@ class GPTTask:
             frozen_from_pretrained=_frozen_from_pretrained(config),
             tensor_layout=TensorLayout(m.vocab_size, m.padded_vocab_size(tp), m.swiglu),
             weights_reader=self.weights_reader,
+            engine_config=PIPELINE_ENGINE
+            if config.parallel.pipeline_model_parallel_size > 1
+            else {},
         )
 
     def _one_process_module(self, config: GPTRunConfig, tp_group) -> TrainModule:
