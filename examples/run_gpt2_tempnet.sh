@@ -3,7 +3,13 @@
 # setting (i) (Figure 4 left, Tables 2 and 4; Table 5, column "Training GPT-2": 320k iterations,
 # batch 32, learning rate 6e-4).
 #
-#   sbatch examples/run_gpt2_tempnet.sh          # 1 node, 8 GPUs: DP 8 with ZeRO-1
+#   sbatch examples/run_gpt2_tempnet.sh          # 1 node, 8 GPUs: DP 8 with ZeRO-1, bf16
+#
+# The LM trains in bf16 with DeepSpeed's float32 master weights; TempNet and the loss stay a
+# float32 island. Their float32 matrix products (TempNet's W1 over the vocabulary shard) run on
+# the tensor cores in TF32 (TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1: inputs rounded to 10 mantissa
+# bits, float32 accumulation); tau itself is computed by float32 element-wise operations.
+# PRECISION=fp32 trains in float32 (and without TF32) instead.
 #
 # Preemption-safe: on SIGUSR1 (5 minutes before the time limit) or SIGTERM the run checkpoints,
 # the job requeues itself and resumes from RUN_DIR/checkpoints/latest.
@@ -15,7 +21,8 @@
 #   RUN_DIR         [runs/gpt2_tempnet]
 #   LOSS_ARGS       [--loss dro --tau-source tempnet] the objective (run_ablations.sh sets it)
 #   MODEL [gpt2-125m]  TP [1]  PP [1]  ZERO [1]  TRAIN_ITERS [320000]  GLOBAL_BATCH [32]
-#   MICRO_BATCH [4]  RHO [10]  SEQ_LENGTH [the preset's: 1024]  EXTRA_ARGS [more flags]
+#   MICRO_BATCH [4]  RHO [10]  SEQ_LENGTH [the preset's: 1024]  PRECISION [bf16] bf16 or fp32
+#   EXTRA_ARGS [more flags]
 #
 #SBATCH --job-name=gpt2-tempnet
 #SBATCH --nodes=1
@@ -36,8 +43,14 @@ tempnet_init
 RUN_DIR=${RUN_DIR:-runs/gpt2_tempnet}
 tempnet_run_flags
 
+case ${PRECISION:-bf16} in
+    bf16) PRECISION_FLAGS=(--bf16); export TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 ;;
+    fp32) PRECISION_FLAGS=() ;;
+    *) die "PRECISION=$PRECISION: use bf16 or fp32" ;;
+esac
+
 FLAGS=(
-    --model "${MODEL:-gpt2-125m}"
+    --model "${MODEL:-gpt2-125m}" "${PRECISION_FLAGS[@]}"
     --tensor-model-parallel-size "${TP:-1}" --pipeline-model-parallel-size "${PP:-1}"
     --zero-stage "${ZERO:-1}"
     --tokenizer-type GPT2BPETokenizer

@@ -16,7 +16,9 @@ die() {
 #   REPO            [the directory sbatch was run from] the megatron-tempnet checkout
 #   PYTHON          [$REPO/.venv/bin/python if present, else python3]
 #   DEVICE          [gpu] gpu or cpu (cpu: gloo, DS_ACCELERATOR=cpu, one thread per task)
-#   NPROC_PER_NODE  [tasks per node of the allocation] one task (rank) per GPU
+#   NPROC_PER_NODE  [tasks per node of the allocation] one task (rank) per GPU; each task
+#                   finds its GPU whether it sees all of the node's (--gpus-per-node) or only
+#                   its own (--gpus-per-task 1)
 tempnet_init() {
     [ -n "${SLURM_JOB_ID:-}" ] || die "submit this script with sbatch (SLURM_JOB_ID is not set)"
     [ -f "$REPO/pretrain_gpt.py" ] || die "REPO=$REPO holds no pretrain_gpt.py: submit from the repository root or set REPO"
