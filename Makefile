@@ -8,12 +8,21 @@
 # make bench-data  preprocessing throughput and memory on a generated 200 MB .jsonl.zst
 # make bench-step  training step: fused vs unfused attention, DRO + TempNet vs CE, the planner
 # make bench-stage the whole output stage: today's (logits formed whole) vs the fused one
+# make gpu-check   the GPU acceptance run (tests/gpu, under 10 minutes on one H100): fused
+#                  attention kernels, a 100M LLaMA + TempNet in bf16, exact resume, CLIP,
+#                  generation, layouts on 2+ GPUs; prints a table, also written to GPU_REPORT
+#                  (runs/gpu-check.md). No CUDA: one line, exit 0. GPU_PYTHON=python3: another
+#                  interpreter (no venv); GPU_CHECK_ON_CPU=1: the harness's smoke run on CPU;
+#                  ARGS: more pytest arguments
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test install lint format bench bench-data bench-step bench-stage quickstart clean
+GPU_PYTHON ?= $(BIN)/python
+GPU_REPORT ?= runs/gpu-check.md
+
+.PHONY: test install lint format bench bench-data bench-step bench-stage quickstart clean gpu-check
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -52,6 +61,24 @@ bench-step: $(STAMP)
 
 bench-stage: $(STAMP)
 	$(BIN)/python benchmarks/loss_bench.py --section stage --tokens 8192 $(ARGS)
+
+# The CUDA check comes first, so a machine without a GPU gets one line (an existing venv is not
+# refreshed for it); the venv is built when missing and refreshed before a run. (REFRESH_VENV
+# names $(MAKE) indirectly so that `make -n gpu-check` runs nothing.)
+REFRESH_VENV = $(if $(filter $(BIN)/python,$(GPU_PYTHON)),$(MAKE) --no-print-directory install,true)
+gpu-check:
+	@if [ ! -x "$$(command -v $(GPU_PYTHON))" ]; then $(REFRESH_VENV) || exit 1; fi
+	@if [ -z "$(GPU_CHECK_ON_CPU)" ]; then \
+		$(GPU_PYTHON) -W ignore -c \
+			'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)'; status=$$?; \
+		if [ $$status = 3 ]; then \
+			echo "gpu-check: skipped: no CUDA device (torch.cuda.is_available() is False)"; \
+			exit 0; fi; \
+		if [ $$status != 0 ]; then \
+			echo "gpu-check: GPU_PYTHON=$(GPU_PYTHON) cannot import torch"; exit 1; fi; \
+	fi; \
+	$(REFRESH_VENV) || exit 1; \
+	GPU_CHECK_REPORT="$(GPU_REPORT)" $(GPU_PYTHON) -m pytest -m gpu tests/gpu $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,253 @@
+"""The acceptance run's summary, ready for docs/performance.md.
+
+Per training run: the device, the layout, the step time, the throughput, the model FLOPs
+utilisation and the peak memory against the memory planner's estimate for the same
+configuration (``models/gpt/memory.py``, what tools/estimate_memory.py prints); per attention
+shape: the kernels that ran. The checks add their results here (``TRAINING``, ``ATTENTION``);
+conftest.py prints the tables at the end of the session and writes them as markdown.
+
+Model FLOPs per token follow Megatron-LM's count: 6 x the parameters in matrix products (every
+layer's, the output layer's over the padded vocabulary, TempNet's W1 and W2) plus the attention's
+12 x layers x sequence x hidden. The utilisation of a bf16 run divides the achieved rate by the
+device's dense bf16 peak (``PEAK_BF16_TFLOPS``) times the GPUs of the run.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 SXM", 989.0),
+    ("H100 80GB HBM3", 989.0),
+    ("H200", 989.0),
+    ("A100", 312.0),
+)
+"""Dense bf16 TFLOP/s by device name (the first name contained in the device's), from NVIDIA's
+data sheets; other devices have no utilisation ("n/a")."""
+
+MIB = 2**20
+
+
+def peak_tflops(device: str) -> float | None:
+    for name, peak in PEAK_BF16_TFLOPS:
+        if name.lower() in device.lower():
+            return peak
+    return None
+
+
+def matmul_params(model, tempnet: tuple[int, int] | None) -> int:
+    """Weights in matrix products per token, on one model replica: every layer's QKV, output
+    projection and MLP, the output layer (padded vocabulary, TP 1) and TempNet's W1 (``d1`` x the
+    true vocabulary) and W2 (``d2 x d1``); ``tempnet``: (d1, d2), None without TempNet."""
+    h, heads = model.hidden_size, model.num_attention_heads
+    head_dim = h // heads
+    groups = model.num_query_groups or heads
+    ffn = model.ffn_hidden_size or 4 * h
+    up = 2 * ffn if model.swiglu else ffn
+    layer = h * (heads + 2 * groups) * head_dim + heads * head_dim * h + h * up + ffn * h
+    total = model.num_layers * layer + model.padded_vocab_size(1) * h
+    if tempnet is not None:
+        d1, d2 = tempnet
+        total += d1 * model.vocab_size + d2 * d1
+    return total
+
+
+def flops_per_token(model, tempnet: tuple[int, int] | None) -> float:
+    """Training FLOPs per token (forward and backward): ``6 P + 12 L s h``."""
+    attention = 12 * model.num_layers * model.seq_length * model.hidden_size
+    return 6.0 * matmul_params(model, tempnet) + attention
+
+
+@dataclass
+class TrainingRun:
+    """One row of the training table."""
+
+    name: str
+    device: str
+    layout: str
+    step_ms: float
+    throughput: float
+    unit: str
+    """What ``throughput`` counts per second: tokens (GPT) or samples (CLIP)."""
+    mfu: float | None
+    memory_mib: float
+    estimate_mib: float | None
+
+    def cells(self) -> list[str]:
+        ratio = "n/a"
+        if self.estimate_mib:
+            ratio = f"{self.memory_mib / self.estimate_mib:.2f}"
+        return [
+            self.name,
+            self.device,
+            self.layout,
+            f"{self.step_ms:.1f}",
+            f"{self.throughput:,.0f} {self.unit}/s",
+            "n/a" if self.mfu is None else f"{100 * self.mfu:.1f}%",
+            f"{self.memory_mib:,.0f}",
+            "n/a" if self.estimate_mib is None else f"{self.estimate_mib:,.0f}",
+            ratio,
+        ]
+
+
+TRAINING: list[TrainingRun] = []
+ATTENTION: list[list[str]] = []
+"""Rows: shape, dtype, forward ops, backward ops, CUDA kernels."""
+
+
+def _timing(rows: list[dict], warmup: int, per_iteration: float, unit: str):
+    """(ms per iteration, units per second): medians over the logged iterations after
+    ``warmup`` (a median leaves out the iterations slowed by a validation or a save)."""
+    steady = [r[f"{unit}_per_sec"] for r in rows if r["iteration"] > warmup]
+    if not steady:
+        raise ValueError(f"no logged iteration after the {warmup} warm-up iterations")
+    rate = statistics.median(steady)
+    return 1000.0 * per_iteration / rate, rate
+
+
+def _layout(config: dict, world_size: int, batch: str) -> str:
+    p, t = config["parallel"], config["training"]
+    tp, pp = p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"]
+    precision = "bf16" if t["bf16"] else "fp16" if t["fp16"] else "fp32"
+    return (
+        f"TP {tp} x PP {pp} x DP {world_size // (tp * pp)}, ZeRO-{p['zero_stage']}, {precision}, "
+        f"{batch}"
+    )
+
+
+def gpt_run(
+    name: str, config: dict, rows: list[dict], world_size: int, warmup: int, device: str
+) -> TrainingRun:
+    """A pretrain_gpt.py run's row from its saved config (``SAVE/config.json``) and metrics."""
+    from megatron_tempnet.models.gpt.config import ModelConfig
+    from megatron_tempnet.models.gpt.memory import Layout, estimate
+
+    model = ModelConfig(**config["model"])
+    t, loss, p = config["training"], config["loss"], config["parallel"]
+    tp, pp = p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"]
+    tempnet = loss["tau_source"] == "tempnet"
+    gbs = t["global_batch_size"] or t["micro_batch_size"] * world_size // (tp * pp)
+    layout = Layout(
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        data_parallel=world_size // (tp * pp),
+        zero_stage=p["zero_stage"],
+        micro_batch_size=t["micro_batch_size"],
+        global_batch_size=gbs,
+        precision="bf16" if t["bf16"] else "fp16" if t["fp16"] else "fp32",
+        freeze_lm=t["freeze_lm"],
+        recompute_activations=t["recompute_activations"],
+        tempnet=tempnet,
+        tempnet_hidden_size=loss["tempnet_hidden_size"],
+        tempnet_proj_size=loss["tempnet_proj_size"],
+        fused_output_stage=loss["fused_output_stage"],
+        output_stage_chunk_size=loss["output_stage_chunk_size"],
+    )
+    # the metrics file is rank 0's: the first pipeline stage's memory
+    planned = estimate(model, layout)[0].total / MIB
+    step_ms, rate = _timing(rows, warmup, gbs * model.seq_length, "tokens")
+    shape = (loss["tempnet_hidden_size"], loss["tempnet_proj_size"]) if tempnet else None
+    peak = peak_tflops(device)
+    mfu = None
+    if peak is not None and t["bf16"]:  # against the bf16 peak: bf16 runs only
+        mfu = flops_per_token(model, shape) * rate / (world_size * peak * 1e12)
+    batch = f"{gbs} x {model.seq_length} tokens/iteration"
+    return TrainingRun(
+        name,
+        device,
+        _layout(config, world_size, batch),
+        step_ms,
+        rate,
+        "tokens",
+        mfu,
+        max(r["memory_mb"] for r in rows),
+        planned,
+    )
+
+
+def clip_run(
+    name: str,
+    config: dict,
+    rows: list[dict],
+    world_size: int,
+    warmup: int,
+    device: str,
+    num_samples: int,
+) -> TrainingRun:
+    """A pretrain_clip.py run's row (no utilisation: the FLOP count above is the LM's)."""
+    from megatron_tempnet.models.clip import memory as clip_memory
+    from megatron_tempnet.models.clip.config import CLIPModelConfig
+
+    t, p = config["training"], config["parallel"]
+    tp, pp = p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"]
+    gbs = t["global_batch_size"] or t["micro_batch_size"] * world_size // (tp * pp)
+    layout = clip_memory.CLIPLayout(
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        data_parallel=world_size // (tp * pp),
+        zero_stage=p["zero_stage"],
+        micro_batch_size=t["micro_batch_size"],
+        global_batch_size=gbs,
+        precision="bf16" if t["bf16"] else "fp16" if t["fp16"] else "fp32",
+        clip_loss=config["loss"]["clip_loss"],
+        num_samples=num_samples,
+        tempnet_proj_size=config["loss"]["tempnet_proj_size"],
+    )
+    planned = clip_memory.estimate(CLIPModelConfig(**config["model"]), layout)[0].total / MIB
+    step_ms, rate = _timing(rows, warmup, gbs, "samples")
+    return TrainingRun(
+        name,
+        device,
+        _layout(config, world_size, f"{gbs} pairs/iteration"),
+        step_ms,
+        rate,
+        "samples",
+        None,
+        max(r["memory_mb"] for r in rows),
+        planned,
+    )
+
+
+TRAINING_HEADER = [
+    "run",
+    "device",
+    "layout",
+    "ms/iteration",
+    "throughput",
+    "MFU",
+    "peak MiB (rank 0)",
+    "planner MiB",
+    "peak / planner",
+]
+ATTENTION_HEADER = ["shape", "dtype", "forward", "backward", "CUDA kernels"]
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines)
+
+
+def markdown() -> str:
+    """Both tables (the empty ones left out), or '' when no check recorded anything."""
+    parts = []
+    if TRAINING:
+        parts.append(table(TRAINING_HEADER, [run.cells() for run in TRAINING]))
+        parts.append(
+            "Timings: medians over the logged iterations after the warm-up. MFU: model FLOPs "
+            "(6 x matrix-product parameters, output layer and TempNet included, + 12 x layers x "
+            "seq x hidden per token) / (GPUs x dense bf16 peak), for bf16 runs on known devices. "
+            "Peak memory: rank 0's `torch.cuda.max_memory_allocated` (on CPU: the resident "
+            "high-water mark); planner: models/gpt/memory.py (tools/estimate_memory.py) for "
+            "rank 0's pipeline stage."
+        )
+    if ATTENTION:
+        parts.append(table(ATTENTION_HEADER, ATTENTION))
+    return "\n\n".join(parts)
+
+
+def finite(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
