@@ -118,6 +118,22 @@ def _layout(config: dict, world_size: int, batch: str) -> str:
     )
 
 
+def _batch_layout(config: dict, world_size: int) -> dict:
+    """The planner layout's parallel sizes, batch and precision from a run's saved config."""
+    t, p = config["training"], config["parallel"]
+    tp, pp = p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"]
+    return {
+        "tensor_parallel": tp,
+        "pipeline_parallel": pp,
+        "data_parallel": world_size // (tp * pp),
+        "zero_stage": p["zero_stage"],
+        "micro_batch_size": t["micro_batch_size"],
+        "global_batch_size": t["global_batch_size"]
+        or t["micro_batch_size"] * world_size // (tp * pp),
+        "precision": "bf16" if t["bf16"] else "fp16" if t["fp16"] else "fp32",
+    }
+
+
 def gpt_run(
     name: str, config: dict, rows: list[dict], world_size: int, warmup: int, device: str
 ) -> TrainingRun:
@@ -126,18 +142,12 @@ def gpt_run(
     from megatron_tempnet.models.gpt.memory import Layout, estimate
 
     model = ModelConfig(**config["model"])
-    t, loss, p = config["training"], config["loss"], config["parallel"]
-    tp, pp = p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"]
+    t, loss = config["training"], config["loss"]
     tempnet = loss["tau_source"] == "tempnet"
-    gbs = t["global_batch_size"] or t["micro_batch_size"] * world_size // (tp * pp)
+    batch = _batch_layout(config, world_size)
+    gbs = batch["global_batch_size"]
     layout = Layout(
-        tensor_parallel=tp,
-        pipeline_parallel=pp,
-        data_parallel=world_size // (tp * pp),
-        zero_stage=p["zero_stage"],
-        micro_batch_size=t["micro_batch_size"],
-        global_batch_size=gbs,
-        precision="bf16" if t["bf16"] else "fp16" if t["fp16"] else "fp32",
+        **batch,
         freeze_lm=t["freeze_lm"],
         recompute_activations=t["recompute_activations"],
         tempnet=tempnet,
@@ -181,17 +191,10 @@ def clip_run(
     from megatron_tempnet.models.clip import memory as clip_memory
     from megatron_tempnet.models.clip.config import CLIPModelConfig
 
-    t, p = config["training"], config["parallel"]
-    tp, pp = p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"]
-    gbs = t["global_batch_size"] or t["micro_batch_size"] * world_size // (tp * pp)
+    batch = _batch_layout(config, world_size)
+    gbs = batch["global_batch_size"]
     layout = clip_memory.CLIPLayout(
-        tensor_parallel=tp,
-        pipeline_parallel=pp,
-        data_parallel=world_size // (tp * pp),
-        zero_stage=p["zero_stage"],
-        micro_batch_size=t["micro_batch_size"],
-        global_batch_size=gbs,
-        precision="bf16" if t["bf16"] else "fp16" if t["fp16"] else "fp32",
+        **batch,
         clip_loss=config["loss"]["clip_loss"],
         num_samples=num_samples,
         tempnet_proj_size=config["loss"]["tempnet_proj_size"],

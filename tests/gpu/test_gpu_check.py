@@ -85,20 +85,26 @@ def corpus(work):
     }
 
 
+def _data(corpus, batch: tuple[int, int]) -> dict:
+    """The corpus, its tokenizer and the (micro, global) batch: what every GPT run reads."""
+    return {
+        "data-path": corpus["prefix"],
+        "split": "98,2,0",
+        "tokenizer-type": "HuggingFaceTokenizer",
+        "tokenizer-model": corpus["tokenizer"],
+        "micro-batch-size": batch[0],
+        "global-batch-size": batch[1],
+    }
+
+
 def _llama_args(corpus, out, iters: int, **extra) -> list[str]:
     s = sizes()
-    mbs, gbs = s.llama_batch
     return flags(
         {
             **LLAMA,
             **s.llama,
             **s.tempnet,
-            "data-path": corpus["prefix"],
-            "split": "98,2,0",
-            "tokenizer-type": "HuggingFaceTokenizer",
-            "tokenizer-model": corpus["tokenizer"],
-            "micro-batch-size": mbs,
-            "global-batch-size": gbs,
+            **_data(corpus, s.llama_batch),
             "train-iters": iters,
             "bf16": True,
             "loss": "dro",
@@ -354,16 +360,10 @@ def _from_init(root) -> dict:
 def _gpt_args(corpus, root, name: str, **extra) -> list[str]:
     """pretrain_gpt.py flags of check 6's float32 GPT run ``name`` (its files in root/name)."""
     s = sizes()
-    mbs, gbs = s.gpt_batch
     return flags(
         {
             **s.gpt,
-            "data-path": corpus["prefix"],
-            "split": "98,2,0",
-            "tokenizer-type": "HuggingFaceTokenizer",
-            "tokenizer-model": corpus["tokenizer"],
-            "micro-batch-size": mbs,
-            "global-batch-size": gbs,
+            **_data(corpus, s.gpt_batch),
             "train-iters": s.gpt_iters,
             "log-interval": 1,
             "eval-interval": 0,
