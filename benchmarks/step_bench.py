@@ -18,8 +18,12 @@ through the same objective as pretrain_gpt.py (``TrainModule``) on GPT-2 125M's 
    GPU: the caching allocator's peak. Next to it, the planner's figure for the same step
    (``models/gpt/memory.py``: its total less weights, gradients and optimizer states).
 
+4. ``--sequence-parallel-memory`` (only this): one step's memory at TP 2 (two gloo processes)
+   with and without --sequence-parallel, beside the planner's figure (``sp_memory.py``).
+
     python benchmarks/step_bench.py --json docs/step_bench_cpu.json
     python benchmarks/step_bench.py --device cuda --num-layers 12
+    python benchmarks/step_bench.py --sequence-parallel-memory --num-layers 4 --seq-lengths 2048
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import time
 import warnings
 
 import common
+import sp_memory
 
 SLOW = dict(
     attention_backend="unfused",
@@ -264,7 +269,16 @@ def main() -> None:
     p.add_argument("--seq-lengths", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--steps", type=int, default=5, help="timed steps (after 1 warm-up)")
     p.add_argument("--json", metavar="PATH")
-    p.add_argument("--phase", choices=["backends", "losses", "memory"], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--sequence-parallel-memory",
+        action="store_true",
+        help="only: a step's memory at TP 2 with and without --sequence-parallel (first "
+        "--seq-lengths value)",
+    )
+    phases = ["backends", "losses", "memory", "sp-memory"]
+    p.add_argument("--phase", choices=phases, help=argparse.SUPPRESS)
+    p.add_argument("--sequence-parallel", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--hidden-dropout", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--seq-length", type=int, help=argparse.SUPPRESS)
     p.add_argument("--backend", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -276,6 +290,18 @@ def main() -> None:
         return
     if args.phase == "memory":
         print("RESULT " + json.dumps(run_memory(args, args.seq_length, args.backend)), flush=True)
+        return
+    if args.phase == "sp-memory":
+        sp_memory.child_main(args)
+        return
+    if args.sequence_parallel_memory:
+        results = sp_memory.run(args, os.path.abspath(__file__), sys.argv[1:])
+        sp_memory.report(args, results, common.machine(args.device))
+        if args.json:
+            machine = common.machine(args.device)
+            out = {"machine": machine, "args": vars(args), "sequence_parallel_memory": results}
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=2)
         return
     results = {"backends": {}, "memory": {}}
     memory_env = common.GLIBC_RETURNS_MEMORY if args.device == "cpu" else {}

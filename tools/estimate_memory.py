@@ -65,7 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument("--bf16", action="store_true")
     precision.add_argument("--fp16", action="store_true")
     p.add_argument("--freeze-lm", action="store_true", help="TempNet only (the LM is frozen)")
-    p.add_argument("--recompute-activations", action="store_true")
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="the layers' norm, dropout and residual regions on [s/tp, b, h] shards",
+    )
+    p.add_argument(
+        "--recompute-activations",
+        action="store_true",
+        help="selective recomputation (--recompute-granularity selective)",
+    )
+    p.add_argument("--recompute-granularity", choices=("full", "selective"))
+    p.add_argument("--recompute-method", choices=("uniform", "block"))
+    p.add_argument("--recompute-num-layers", type=int)
     p.add_argument(
         "--attention-backend",
         choices=ATTENTION_BACKENDS,
@@ -116,13 +128,27 @@ def _layout(args) -> Layout:
     return Layout(
         **Layout.flags(args),
         freeze_lm=args.freeze_lm,
-        recompute_activations=args.recompute_activations,
+        sequence_parallel=args.sequence_parallel and args.tp > 1,
+        recompute_granularity="selective"
+        if args.recompute_activations
+        else args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
         tempnet=not args.no_tempnet,
         tempnet_hidden_size=args.tempnet_hidden_size,
         tempnet_proj_size=args.tempnet_proj_size,
         fused_output_stage=args.fused_output_stage,
         output_stage_chunk_size=args.output_stage_chunk_size,
     )
+
+
+def _recompute_flags(lay: Layout) -> str:
+    flags = f"--recompute-granularity {lay.recompute_granularity}"
+    if lay.recompute_method:
+        flags += f" --recompute-method {lay.recompute_method}"
+    if lay.recompute_num_layers:
+        flags += f" --recompute-num-layers {lay.recompute_num_layers}"
+    return flags
 
 
 def _count(n: float) -> str:
@@ -140,7 +166,8 @@ def report(model: ModelConfig, layout: Layout, gpu_gb: float) -> str:
     tokens = f"{lay.micro_batch_size} x {model.seq_length} tokens"
     options = (
         ("--freeze-lm", lay.freeze_lm),
-        ("--recompute-activations", lay.recompute_activations),
+        ("--sequence-parallel", lay.sequence_parallel),
+        (_recompute_flags(lay), lay.recompute_granularity is not None),
         ("--attention-backend unfused", model.attention_backend == "unfused"),
         ("--no-fused-output-stage", not lay.fused_output_stage),
     )

@@ -32,6 +32,24 @@ class TPGroup:
         dist.all_gather(parts, tensor.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``rows`` ``[n, ...]`` stacked rank-major: ``[size * n, ...]`` (no
+        autograd)."""
+        if self.size == 1:
+            return rows
+        out = rows.new_empty((self.size * rows.shape[0], *rows.shape[1:]))
+        dist.all_gather_single(out, rows.contiguous(), group=self.group)
+        return out
+
+    def reduce_scatter_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[size * n, ...]`` summed over the ranks; this rank's block of ``n`` rows (rank-major;
+        no autograd)."""
+        if self.size == 1:
+            return rows
+        out = rows.new_empty((rows.shape[0] // self.size, *rows.shape[1:]))
+        dist.reduce_scatter_single(out, rows.contiguous(), group=self.group)
+        return out
+
 
 def resolve_tp_group(tp_group: dist.ProcessGroup | None = None) -> TPGroup:
     """The group to reduce over, with this process's rank in it; ``None``: no tensor

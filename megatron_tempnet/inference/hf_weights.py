@@ -15,6 +15,8 @@ final norm, ``L+3`` the untied output layer.
   halves, so the q/k rows map without a permutation (tested: logits equal HF's).
 - SwiGLU: ``linear_fc1 = [gate_proj; up_proj]`` (megatron-core applies ``silu`` to the first half).
 - GPT-2's Conv1D weights are stored ``[in, out]``: transposed here.
+- ``--apply-layernorm-1p``: the norms multiply by ``1 + weight``; HF's by their weight. The export
+  writes ``1 + weight`` and the import into such a model subtracts 1 (in float32).
 
 Configs (``model_config_from_hf``, ``hf_config``): ``model_type`` llama and mistral are the same
 computation here (Mistral's tensors have LLaMA's names); the type is kept in
@@ -128,6 +130,9 @@ def model_config_from_hf(config: dict) -> ModelConfig:
             norm_epsilon=config["rms_norm_eps"],
             vocab_size=config["vocab_size"],
             hf_model_type=kind,
+            # LLaMA and Mistral: no dropout on the residual stream, their attention dropout
+            hidden_dropout=0.0,
+            attention_dropout=float(config.get("attention_dropout", 0.0)),
             **_rope_fields(config),
         )
     if kind == "gpt2":
@@ -145,6 +150,8 @@ def model_config_from_hf(config: dict) -> ModelConfig:
             vocab_size=config["vocab_size"],
             openai_gelu=act != "gelu",
             untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", True),
+            hidden_dropout=float(config.get("resid_pdrop", 0.1)),
+            attention_dropout=float(config.get("attn_pdrop", 0.1)),
         )
     raise CheckpointError(f"model_type {kind!r}: only 'llama', 'mistral' and 'gpt2' are supported")
 
@@ -314,7 +321,7 @@ def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
             "model_type": kind,
             "vocab_size": model.vocab_size,
             "hidden_size": model.hidden_size,
-            "intermediate_size": model.ffn_hidden_size or 4 * model.hidden_size,
+            "intermediate_size": model.ffn_size(),
             "num_hidden_layers": model.num_layers,
             "num_attention_heads": model.num_attention_heads,
             "num_key_value_heads": model.num_query_groups or model.num_attention_heads,
@@ -393,6 +400,15 @@ def _layer_map(model: ModelConfig) -> dict[str, str]:
     }
 
 
+def _is_norm_weight(name: str, num_layers: int) -> bool:
+    """A norm's weight among our full tensors (``pieces.{i}.…``): the layers' two and the
+    final norm's."""
+    index, rest = int(name.split(".")[1]), name.split(".", 2)[2]
+    if index == num_layers + 2:
+        return rest == "norm.weight"
+    return rest.endswith(("input_layernorm.weight", "pre_mlp_layernorm.weight"))
+
+
 def _transposed(hf_name: str) -> bool:
     """GPT-2's Conv1D weights (``[in, out]``)."""
     return hf_name.endswith("weight") and any(p in hf_name for p in ("c_attn", "c_proj", "c_fc"))
@@ -411,6 +427,12 @@ def from_hf(model: ModelConfig, hf: HFWeights) -> Callable[[str], torch.Tensor]:
         return tensor.t() if _transposed(name) else tensor
 
     def full(name: str) -> torch.Tensor:
+        tensor = _read(name)
+        if model.apply_layernorm_1p and _is_norm_weight(name, L):
+            return (tensor.float() - 1).to(tensor.dtype)  # our zero-centred weight
+        return tensor
+
+    def _read(name: str) -> torch.Tensor:
         index, rest = int(name.split(".")[1]), name.split(".", 2)[2]
         if index == 0:
             return get("embed_tokens.weight" if llama else "wte.weight")
@@ -456,6 +478,8 @@ def to_hf(
     for name in names:
         index, rest = int(name.split(".")[1]), name.split(".", 2)[2]
         tensor = full(name)
+        if model.apply_layernorm_1p and _is_norm_weight(name, L):
+            tensor = (tensor.float() + 1).to(tensor.dtype)  # what the norm multiplies by
         if index == 0:
             yield out("embed_tokens.weight" if llama else "wte.weight", tensor)
         elif index == 1:

@@ -3,7 +3,8 @@
 A chunk is ``c`` tokens' logits ``[c, V_pad/tp]`` on this rank's vocabulary shard. The forward
 pass reduces them to per-token values (``State``); ``chunk_gradients`` turns them in place into
 the gradient of ``sum_t g_t loss_t`` and adds what follows from it to ``Gradients``. Rows are
-given as a slice (consecutive tokens) or as an index tensor (scattered tokens).
+given as a slice (consecutive tokens) or as an index tensor (scattered tokens), in the stage's
+order of the tokens (``output_rows``: the tokens' own order unless sequence parallel).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from megatron_tempnet.distributed.groups import TPGroup, parallel_argmax
 from megatron_tempnet.losses import dro_math
 from megatron_tempnet.losses.newton import optimal_tau
+from megatron_tempnet.losses.output_rows import WholeRows
 
 _NORM_EPS = 1e-12  # TempNet's input norm floor, as in tempnet.parallel_input
 
@@ -38,6 +40,8 @@ class Plan:
     eval_terms: bool
     eager: bool
     """Compute the gradients in the forward pass, while each chunk's logits are at hand."""
+    sequence_parallel: bool = False
+    """The hidden states are this TP rank's sequence shard (``output_rows.ShardedRows``)."""
 
     @property
     def tau_in_loss(self) -> bool:
@@ -92,15 +96,18 @@ class Gradients:
     """Gradients of ``sum_t g_t loss_t``, summed over chunks."""
 
     hidden: torch.Tensor | None
-    """``[T, h]``: this vocabulary shard's part (summed over the TP group at the end)."""
+    """``[T, h]``: this vocabulary shard's part (summed over the TP group at the end); with
+    sequence parallelism ``[T/tp, h]``, this rank's rows, complete."""
     weight: torch.Tensor | None
     """``[V_pad/tp, h]`` float32 accumulator (float64 for float64 weights)."""
     w1: torch.Tensor | None
     projection: list
     """TempNet's parameters after ``W1`` (None where not wanted)."""
+    rows: WholeRows
+    """Where the hidden states' rows are (``output_rows``)."""
 
     @classmethod
-    def zeros(cls, needs, hidden, weight, w1, cdtype, eager: bool) -> Gradients:
+    def zeros(cls, needs, hidden, weight, w1, cdtype, eager: bool, rows: WholeRows) -> Gradients:
         """Zero gradients for the inputs that need one (``needs``: the autograd function's
         ``needs_input_grad``). 16-bit hidden gradients computed eagerly stay float32 until the
         backward pass has scaled them."""
@@ -114,7 +121,7 @@ class Gradients:
             grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         if needs[4]:
             grad_w1 = torch.zeros(w1.shape, dtype=cdtype, device=w1.device)
-        return cls(grad_hidden, grad_weight, grad_w1, [None] * len(needs[5:]))
+        return cls(grad_hidden, grad_weight, grad_w1, [None] * len(needs[5:]), rows)
 
     def add_projection(self, grads) -> None:
         for i, grad in enumerate(grads):
@@ -127,11 +134,11 @@ class Gradients:
             if t is not None:
                 t.mul_(c.to(t.dtype))
 
-    def finish(self, tp: TPGroup, hidden, weight, w1) -> tuple:
+    def finish(self, hidden, weight, w1) -> tuple:
         """The gradients in the inputs' dtypes, the hidden states' summed over the TP group."""
         grad_hidden, grad_weight, grad_w1 = self.hidden, self.weight, self.w1
         if grad_hidden is not None:
-            tp.all_reduce(grad_hidden)  # each vocabulary shard's part of dL/dh
+            self.rows.finish(grad_hidden)  # each vocabulary shard's part of dL/dh
             grad_hidden = grad_hidden.to(hidden.dtype)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
@@ -276,20 +283,9 @@ def chunk_gradients(plan: Plan, part, logits, g, values: Rows, h_c, weight, w1c,
     grad_logits = logits.to(h_c.dtype)
     del logits, x
     if grads.hidden is not None:
-        _add_rows(grads.hidden, rows, grad_logits, weight)
+        grads.rows.add_grad(grads.hidden, rows, grad_logits, weight)
     if grads.weight is not None:
         if grad_logits.dtype == grads.weight.dtype:
             grads.weight.addmm_(grad_logits.t(), h_c)
         else:
             grads.weight.add_(torch.matmul(grad_logits.t(), h_c))
-
-
-def _add_rows(grad_hidden: torch.Tensor, rows, grad_logits, weight) -> None:
-    """``grad_logits @ weight`` into ``grad_hidden[rows]``: set for a slice (rows no pass has
-    written yet), added for an index tensor (the backward pass's corrections)."""
-    if isinstance(rows, slice) and grad_hidden.dtype == grad_logits.dtype:
-        torch.matmul(grad_logits, weight, out=grad_hidden[rows])
-    elif isinstance(rows, slice):
-        grad_hidden[rows] = torch.matmul(grad_logits, weight)
-    else:
-        grad_hidden.index_add_(0, rows, torch.matmul(grad_logits, weight).to(grad_hidden.dtype))

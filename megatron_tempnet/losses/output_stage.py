@@ -26,6 +26,12 @@ The gradients need one SUM all-reduce in all, in the backward pass: the hidden s
 ``[T, h]``, which is partial on each vocabulary shard (megatron-core's column-parallel layer does
 the same).
 Everything is exact: the same math (``dro_math``) on the same values as the unfused path.
+
+With sequence parallelism (``sequence_parallel=True``) each rank holds its sequence shard
+``[s/tp, b, h]`` of the hidden states: a chunk gathers ``c/tp`` rows from every rank (one
+all-gather of ``[c/tp, h]``), is computed as above, and its ``dL/dh`` is reduce-scattered back to
+the rows' owners instead of the final all-reduce; no rank holds ``[T, h]`` hidden states or
+gradients (``output_rows``). The per-token outputs are every token's, on every rank, as without.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from megatron_tempnet.losses.output_chunks import (
     forward_chunk,
     tempnet_backward,
 )
+from megatron_tempnet.losses.output_rows import token_rows
 
 LOSSES = ("ce", "dro", "ts-ce")
 CHUNK_ELEMENTS = 1 << 24
@@ -78,24 +85,27 @@ class _FusedOutputStage(torch.autograd.Function):
         cdtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         part = vocab_partition(weight.shape[0], plan.tp.rank, plan.vocab_size)
         needs = ctx.needs_input_grad
-        state = State.empty(hidden.shape[0], cdtype, hidden.device, plan.eval_terms)
+        layout = token_rows(hidden, plan.tp, plan.chunk, plan.sequence_parallel)
+        target = layout.to_stage(target)  # [T] in the order the chunks take the tokens
+        state = State.empty(layout.tokens, cdtype, hidden.device, plan.eval_terms)
         grads = None
         if plan.eager and any(needs[2:]):
-            grads = Gradients.zeros(needs, hidden, weight, w1, cdtype, eager=True)
+            grads = Gradients.zeros(needs, hidden, weight, w1, cdtype, eager=True, rows=layout)
         graph: list = []  # TempNet's layers after W1, per chunk: (y leaf, tau)
         w1c = None if w1 is None else w1.to(cdtype)
-        for rows in _chunks(hidden.shape[0], plan.chunk):
-            logits = chunk_logits(hidden[rows], weight, cdtype)  # [c, V_pad/tp]
+        for rows in layout.chunks():
+            h_c = layout.rows(hidden, rows)  # [c, h]
+            logits = chunk_logits(h_c, weight, cdtype)  # [c, V_pad/tp]
             recorded = len(graph)
             forward_chunk(plan, part, logits, target[rows], w1c, state, rows, graph)
             if grads is not None:
                 eager = graph[recorded:], needs[5:], grads
-                _eager_chunk(plan, part, logits, state, target, rows, hidden, weight, w1c, eager)
-            del logits
-        ctx.plan, ctx.part, ctx.graph, ctx.grads = plan, part, graph, grads
+                _eager_chunk(plan, part, logits, state, target, rows, h_c, weight, w1c, eager)
+            del logits, h_c
+        ctx.plan, ctx.part, ctx.graph, ctx.grads, ctx.layout = plan, part, graph, grads, layout
         saved = [state.tau, state.row_max, state.sum_exp, state.norm, state.dtau]
         ctx.save_for_backward(hidden, weight, w1, target, *saved)
-        outputs = state.outputs()
+        outputs = tuple(layout.to_tokens(v) for v in state.outputs())
         ctx.mark_non_differentiable(*outputs[1:])
         return outputs
 
@@ -108,11 +118,11 @@ class _FusedOutputStage(torch.autograd.Function):
                 "again, or use --no-fused-output-stage"
             )
         hidden, weight, w1, target, *vectors = ctx.saved_tensors
-        plan, needs, grads = ctx.plan, ctx.needs_input_grad, ctx.grads
-        g = grad_loss.to(vectors[0].dtype)
+        needs, grads, layout = ctx.needs_input_grad, ctx.grads, ctx.layout
+        g = layout.to_stage(grad_loss.to(vectors[0].dtype))
         left = None  # the tokens whose gradients are computed here (None: all)
         if grads is None:
-            grads = Gradients.zeros(needs, hidden, weight, w1, g.dtype, eager=False)
+            grads = Gradients.zeros(needs, hidden, weight, w1, g.dtype, eager=False, rows=layout)
         else:  # the forward pass's gradients are for g = 1: scale them by g's usual value
             usual = _most_common(g)
             grads.scale_(usual)
@@ -120,11 +130,11 @@ class _FusedOutputStage(torch.autograd.Function):
             left = torch.nonzero(g).flatten()
         if left is None or left.numel():
             _recompute(ctx, g, left, grads, hidden, weight, w1, target, vectors)
-        ctx.graph, ctx.grads, ctx.plan = [], None, None  # used once
-        return (None, None, *grads.finish(plan.tp, hidden, weight, w1))
+        ctx.graph, ctx.grads, ctx.plan, ctx.layout = [], None, None, None  # used once
+        return (None, None, *grads.finish(hidden, weight, w1))
 
 
-def _eager_chunk(plan, part, logits, state, target, rows, hidden, weight, w1c, eager) -> None:
+def _eager_chunk(plan, part, logits, state, target, rows, h_c, weight, w1c, eager) -> None:
     """The chunk's gradients of ``sum_t loss_t`` (g = 1: the backward pass scales them)."""
     graph, wanted, grads = eager
     values = _rows(state, target, rows)
@@ -133,7 +143,7 @@ def _eager_chunk(plan, part, logits, state, target, rows, hidden, weight, w1c, e
         values.grad_y, by_param = tempnet_backward(plan, graph, state.dtau[rows], wanted, keep=True)
         grads.add_projection(by_param)
     ones = torch.ones_like(values.tau)
-    chunk_gradients(plan, part, logits, ones, values, hidden[rows], weight, w1c, grads, rows)
+    chunk_gradients(plan, part, logits, ones, values, h_c, weight, w1c, grads, rows)
 
 
 def _recompute(ctx, g, left, grads: Gradients, hidden, weight, w1, target, vectors) -> None:
@@ -149,18 +159,15 @@ def _recompute(ctx, g, left, grads: Gradients, hidden, weight, w1, target, vecto
     if grads.hidden is None and grads.weight is None and grads.w1 is None:
         return
     w1c = None if w1 is None else w1.to(g.dtype)
-    chunks = _chunks(hidden.shape[0], plan.chunk) if left is None else left.split(plan.chunk)
+    layout = ctx.layout
+    chunks = layout.chunks() if left is None else left.split(plan.chunk)
     for rows in chunks:
         values = Rows(*(v[rows] for v in vectors[:4]), target=target[rows])
         if grad_y is not None:
             values.y, values.grad_y = y[rows], grad_y[rows]
-        h_c = hidden[rows]
+        h_c = layout.rows(hidden, rows)
         logits = chunk_logits(h_c, weight, g.dtype)
         chunk_gradients(plan, ctx.part, logits, g[rows], values, h_c, weight, w1c, grads, rows)
-
-
-def _chunks(n: int, chunk: int) -> list[slice]:
-    return [slice(r0, min(r0 + chunk, n)) for r0 in range(0, n, chunk)]
 
 
 def _rows(state: State, target, rows) -> Rows:
@@ -191,13 +198,17 @@ def fused_output_stage(
     eval_terms: bool = False,
     tempnet_params: tuple[torch.Tensor, ...] | None = None,
     eager_gradients: bool = True,
+    sequence_parallel: bool = False,
 ) -> StageOutputs:
     """Output layer, temperature and per-token loss, chunk by chunk (module docstring).
 
     Args:
-        hidden: ``[..., h]`` final hidden states (after the final norm), any float dtype.
+        hidden: ``[..., h]`` final hidden states (after the final norm), any float dtype;
+            with ``sequence_parallel`` ``[s/tp, ...]``: this rank's shard of the first
+            dimension.
         weight: ``[V_pad/tp, h]`` this rank's slice of the output layer (tied or not).
-        target: ``[...]`` token ids in ``[0, vocab_size)``.
+        target: ``[...]`` token ids in ``[0, vocab_size)`` (with ``sequence_parallel`` every
+            token's, ``[s, ...]``).
         loss: ``dro`` (eq. 2), ``ts-ce`` (cross-entropy of ``L / tau``) or ``ce``.
         vocab_size: the true vocabulary ``|C|``; padded columns are excluded everywhere.
         rho: eq. (2)'s constant (``dro``; and Newton's).
@@ -212,9 +223,12 @@ def fused_output_stage(
         eager_gradients: with gradients to compute, compute them in the forward pass for the
             gradient most tokens' loss receives (module docstring); False: recompute the
             logits in the backward pass.
+        sequence_parallel: ``hidden`` is sequence-sharded over ``tp_group`` (module
+            docstring); the upstream gradient must be the same on every TP rank.
     Returns:
         ``StageOutputs``: float32 values (float64 for float64 hidden states), identical on all
-        TP ranks. Gradients reach ``hidden``, ``weight`` and TempNet's parameters.
+        TP ranks (every token's, also with ``sequence_parallel``). Gradients reach ``hidden``,
+        ``weight`` and TempNet's parameters.
     """
     sources = [tau is not None, tempnet is not None, newton_tau_min is not None]
     if sum(sources) != 1:
@@ -226,7 +240,7 @@ def fused_output_stage(
     if tau is not None and not tau > 0:
         raise ValueError(f"tau ({tau}) must be > 0")
     tp = resolve_tp_group(tp_group)
-    _check_shapes(hidden, weight, target, vocab_size, tp)
+    _check_shapes(hidden, weight, target, vocab_size, tp, sequence_parallel)
     chunk = chunk_size or default_chunk_size(weight.shape[0])
     if chunk < 1:
         raise ValueError(f"chunk_size ({chunk_size}) must be >= 1 token")
@@ -248,6 +262,7 @@ def fused_output_stage(
         tau_grad,
         eval_terms,
         eager_gradients,
+        sequence_parallel and tp.size > 1,
     )
     lead = target.shape
     w1, params = None, []
@@ -265,11 +280,15 @@ def fused_output_stage(
     return StageOutputs(*values)
 
 
-def _check_shapes(hidden, weight, target, vocab_size: int, tp: TPGroup) -> None:
-    if tuple(hidden.shape[:-1]) != tuple(target.shape):
+def _check_shapes(hidden, weight, target, vocab_size: int, tp: TPGroup, sharded: bool) -> None:
+    lead = list(hidden.shape[:-1])
+    if sharded and lead:  # this rank's shard of the first dimension
+        lead[0] *= tp.size
+    if tuple(lead) != tuple(target.shape):
+        shard = f" (x {tp.size} TP ranks along the sequence)" if sharded else ""
         raise ValueError(
-            f"hidden {tuple(hidden.shape)} and target {tuple(target.shape)} disagree: hidden "
-            f"must be target's shape plus the hidden size"
+            f"hidden {tuple(hidden.shape)}{shard} and target {tuple(target.shape)} disagree: "
+            f"hidden must be target's shape plus the hidden size"
         )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(

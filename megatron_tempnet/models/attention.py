@@ -210,11 +210,14 @@ def _dropout_rng(p: float, sequence_parallel: bool):
     return get_cuda_rng_tracker().fork()
 
 
-def layer_spec(normalization: str, backend: str, causal: bool = True):
+def layer_spec(normalization: str, backend: str, causal: bool = True, *, own_norm: bool = False):
     """megatron-core's local ``TransformerLayer`` spec with the chosen core attention.
 
     ``backend``: ``auto`` (``FusedCoreAttention``) or ``unfused`` (megatron-core's
     ``DotProductAttention``); ``causal=False`` gives bidirectional attention (the ViT).
+    ``own_norm``: the layers' two norms (and ``FinalNorm``, built from the spec) are
+    ``models.norms.Norm``, which supports ``--apply-layernorm-1p`` and ``--sequence-parallel``
+    (megatron-core's local torch norm refuses both); the function is the same.
     """
     import copy
 
@@ -229,4 +232,8 @@ def layer_spec(normalization: str, backend: str, causal: bool = True):
         attention.params = {"attn_mask_type": AttnMaskType.no_mask}
     if backend == "auto":
         attention.submodules.core_attention = FusedCoreAttention
+    if own_norm:
+        from megatron_tempnet.models.norms import Norm
+
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = Norm
     return spec

@@ -54,7 +54,7 @@ def layer_params(model: TransformerShape, tp: int) -> int:
     h, heads = model.hidden_size, model.num_attention_heads
     d = h // heads
     groups = model.num_query_groups or heads
-    ffn = model.ffn_hidden_size or 4 * h
+    ffn = model.ffn_size()
     up = 2 * ffn if model.swiglu else ffn
     bias = model.add_bias_linear
     qkv = h * (heads + 2 * groups) * d // tp + (bias and (heads + 2 * groups) * d // tp)
@@ -92,11 +92,31 @@ def layer_activation_bytes(model: TransformerShape, layout, seq_length: int) -> 
         seq_length,
     )
     h, a = model.hidden_size, model.num_attention_heads
-    ffn = model.ffn_hidden_size or 4 * h
+    ffn = model.ffn_size()
     up = 2 * ffn if model.swiglu else ffn
     if model.attention_backend == "unfused":
-        qkv, attention = 3 * h, e * b * a * s * s // t
+        qkv = 3 * h
     else:
-        kv_size = (model.num_query_groups or a) * (h // a)
-        qkv, attention = h + 2 * kv_size, 4 * b * a * s // t
-    return s * b * e * (4 * h + (qkv + h + ffn + up) // t) + attention
+        qkv = h + 2 * (model.num_query_groups or a) * (h // a)
+    # the inputs of the two norms and of linear_qkv / linear_fc1 (which keeps its input as
+    # given: the shard under sequence parallelism, all-gathered again in backward)
+    norm_regions = 4 * h // t if getattr(layout, "sequence_parallel", False) else 4 * h
+    return s * b * e * (norm_regions + (qkv + h + ffn + up) // t) + core_attention_bytes(
+        model, layout, seq_length
+    )
+
+
+def core_attention_bytes(model: TransformerShape, layout, seq_length: int) -> int:
+    """What the core attention alone keeps for backward (selective recomputation drops it):
+    the unfused softmax ``[b, a/t, s, s]``, or the fused kernels' float32 log-sum-exp per
+    query."""
+    e, t, b, s = (
+        PRECISIONS[layout.precision],
+        layout.tensor_parallel,
+        layout.micro_batch_size,
+        seq_length,
+    )
+    a = model.num_attention_heads
+    if model.attention_backend == "unfused":
+        return e * b * a * s * s // t
+    return 4 * b * a * s // t

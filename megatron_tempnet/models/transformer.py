@@ -12,6 +12,7 @@ CPU), whatever stage or process builds it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -28,6 +29,9 @@ from megatron_tempnet.utils.cli import UserError
 from megatron_tempnet.utils.flags import derived, option
 from megatron_tempnet.utils.logging import warn_rank0
 
+ATTENTION_SPELLINGS = {"flash": "auto", "fused": "auto", "local": "unfused"}
+"""Megatron-LM's --attention-backend values and the backend here that computes each."""
+
 
 class ModelConfigError(UserError, ValueError):
     """Model flags that do not fit together; names the flags and their values."""
@@ -37,10 +41,11 @@ class ModelConfigError(UserError, ValueError):
 class TransformerImpl:
     """How the layers compute; none of it changes the model's function (checked for parity)."""
 
-    attention_backend: str = option("auto", choices=ATTENTION_BACKENDS)
+    attention_backend: str = option("auto", choices=(*ATTENTION_BACKENDS, *ATTENTION_SPELLINGS))
     """Core attention: auto = PyTorch's fused scaled_dot_product_attention (flash /
     memory-efficient kernels on a GPU, the fused CPU kernel on a CPU; no [b, heads, s, s]
-    softmax kept for the backward pass); unfused = megatron-core's DotProductAttention."""
+    softmax kept for the backward pass); unfused = megatron-core's DotProductAttention.
+    Megatron-LM's flash and fused are computed by auto, its local by unfused."""
     bias_swiglu_fusion: bool = option(True, name="--no-bias-swiglu-fusion")
     """The flag turns off megatron-core's fused bias + SwiGLU (torch.compile'd)."""
     bias_gelu_fusion: bool = option(True, name="--no-bias-gelu-fusion")
@@ -49,6 +54,11 @@ class TransformerImpl:
     bias_dropout_fusion: bool = option(True, name="--no-bias-dropout-fusion")
     """The flag turns off megatron-core's fused bias + dropout + residual add
     (torch.compile'd)."""
+
+    def __post_init__(self):
+        self.attention_backend = ATTENTION_SPELLINGS.get(
+            self.attention_backend, self.attention_backend
+        )
 
 
 @dataclass
@@ -62,9 +72,11 @@ class TransformerShape(TransformerImpl):
     num_attention_heads: int = 4
     """Attention heads (divisible by the tensor-parallel size)."""
     num_query_groups: int | None = None
-    """Key/value heads for grouped-query attention (default: one per attention head)."""
+    """Key/value heads for grouped-query attention, with --group-query-attention (which
+    alone gives 1, Megatron-LM's default); without it, one per attention head."""
     ffn_hidden_size: int | None = None
-    """Width of the MLP (default: 4 x --hidden-size)."""
+    """Width of the MLP (default, Megatron-LM's: 4 x --hidden-size; with --swiglu
+    int(8 x --hidden-size / 3 / 64) x 64)."""
     normalization: str = option("LayerNorm", choices=("LayerNorm", "RMSNorm"))
     """The layers' norm."""
     swiglu: bool = False
@@ -79,17 +91,26 @@ class TransformerShape(TransformerImpl):
     """Epsilon of the norms."""
     init_method_std: float = 0.02
     """Standard deviation of the initial weights."""
-    hidden_dropout: float = 0.0
+    hidden_dropout: float = 0.1
     """Dropout after attention and MLP."""
-    attention_dropout: float = 0.0
+    attention_dropout: float = 0.1
     """Dropout of the attention probabilities."""
+    apply_layernorm_1p: bool = False
+    """Zero-centred norm weights: the norms start at weight 0 and multiply by 1 + weight
+    (Megatron-LM's LayerNorm-1p; here for LayerNorm and RMSNorm); exports write 1 + weight."""
+
+    def ffn_size(self) -> int:
+        """The MLP's width: --ffn-hidden-size, else Megatron-LM's default for the shape."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return swiglu_ffn_size(self.hidden_size) if self.swiglu else 4 * self.hidden_size
 
     def validate(self, tensor_parallel_size: int = 1) -> None:
         """Raise ``ModelConfigError`` naming the flags when the stack cannot be built."""
         tp = tensor_parallel_size
         heads = self.num_attention_heads
         groups = self.num_query_groups or heads
-        ffn = self.ffn_hidden_size or 4 * self.hidden_size
+        ffn = self.ffn_size()
         checks = [
             (
                 self.hidden_size % heads == 0,
@@ -112,8 +133,13 @@ class TransformerShape(TransformerImpl):
                 f"--tensor-model-parallel-size ({tp})",
             ),
             (
+                ffn > 0,
+                f"--ffn-hidden-size: the default for --hidden-size {self.hidden_size} with "
+                "--swiglu, int(8 x hidden / 3 / 64) x 64, is 0: give --ffn-hidden-size",
+            ),
+            (
                 ffn % tp == 0,
-                f"--ffn-hidden-size ({self.ffn_hidden_size}) must be divisible by "
+                f"--ffn-hidden-size ({ffn}) must be divisible by "
                 f"--tensor-model-parallel-size ({tp})",
             ),
             (
@@ -129,6 +155,12 @@ class TransformerShape(TransformerImpl):
         for ok, message in checks:
             if not ok:
                 raise ModelConfigError(message)
+
+
+def swiglu_ffn_size(hidden_size: int) -> int:
+    """Megatron-LM's MLP width for SwiGLU when none is given: 2/3 of 4 x hidden (the two input
+    projections keep the parameter count), rounded down to a multiple of 64."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64
 
 
 @dataclass(frozen=True)
@@ -203,8 +235,18 @@ def transformer_config(
     *,
     tensor_parallel_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
+    sequence_parallel: bool = False,
+    selective_recompute: bool = False,
 ):
     """megatron-core's ``TransformerConfig`` for ``shape``.
+
+    ``selective_recompute``: megatron-core's selective recomputation of the core attention
+    (``models.recompute``).
+
+    ``sequence_parallel`` (with TP > 1): the layers' norm, dropout and residual regions run on
+    sequence shards ``[s/tp, b, h]`` (megatron-core's column-parallel linears all-gather their
+    input, the row-parallel ones reduce-scatter their output); the layer spec then needs
+    ``own_norm`` (``models.attention.layer_spec``), as ``--apply-layernorm-1p`` does.
 
     The config has no pipeline split: pipeline stages are DeepSpeed's, and every layer gets its
     global layer number directly. The fusions that need neither apex nor Transformer Engine are
@@ -231,7 +273,7 @@ def transformer_config(
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads,
         num_query_groups=shape.num_query_groups,
-        ffn_hidden_size=shape.ffn_hidden_size or 4 * shape.hidden_size,
+        ffn_hidden_size=shape.ffn_size(),
         normalization=shape.normalization,
         layernorm_epsilon=shape.norm_epsilon,
         gated_linear_unit=shape.swiglu,
@@ -254,6 +296,9 @@ def transformer_config(
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        sequence_parallel=sequence_parallel and tensor_parallel_size > 1,
+        layernorm_zero_centered_gamma=shape.apply_layernorm_1p,
+        recompute_granularity="selective" if selective_recompute else None,
     )
 
 
@@ -319,22 +364,43 @@ class TransformerPiece(nn.Module):
     """One megatron-core ``TransformerLayer`` (the spec's attention mask; ``Rope`` when given).
 
     ``layer_number`` is the global 1-based index (the config has no pipeline split, so
-    megatron-core adds no stage offset). With ``recompute`` the layer's activations are
-    recomputed in the backward pass (megatron-core's checkpoint, which restores the RNG state).
-    ``forward``: ``[s, b, h]`` -> ``[s, b, h]``.
+    megatron-core adds no stage offset). ``recompute_with`` makes it recompute its activations
+    (and those of the layers after it) in the backward pass (``models.recompute``).
+    ``forward``: ``[s, b, h]`` -> ``[s, b, h]``; with sequence parallelism ``[s/tp, b, h]`` ->
+    ``[s/tp, b, h]``, run in megatron-core's model-parallel RNG stream (each rank's shard draws
+    its own dropout, as megatron-core's ``TransformerBlock`` does).
     """
 
-    def __init__(self, config, layer_spec, layer_number: int, rope: Rope | None, recompute: bool):
+    def __init__(self, config, layer_spec, layer_number: int, rope: Rope | None):
         super().__init__()
         from megatron.core.transformer.transformer_layer import TransformerLayer
 
         self.layer = TransformerLayer(config, layer_spec.submodules, layer_number=layer_number)
         self.rotary = None if rope is None else rope.build(config)
-        self.recompute = recompute
+        self._unit: list[TransformerPiece] = []  # recomputed together: this layer and the next
+        self._in_unit = False  # run by the first layer of its unit
+
+    def recompute_with(self, followers: list[TransformerPiece]) -> None:
+        """In training, keep only this layer's input and rerun it and ``followers`` (the next
+        layers of its stack, on its stage) as one unit in the backward pass; the followers then
+        pass their input through."""
+        self._unit = [self, *followers]  # a list: the followers stay their own modules
+        for layer in followers:
+            layer._in_unit = True
+
+    def _run_unit(self, hidden: torch.Tensor) -> torch.Tensor:
+        for layer in self._unit:
+            hidden = layer._run(hidden)
+        return hidden
 
     def _run(self, hidden: torch.Tensor) -> torch.Tensor:
-        rotary = None if self.rotary is None else self.rotary(hidden.shape[0])
-        out, _ = self.layer(hidden, attention_mask=None, rotary_pos_emb=rotary)
+        config = self.layer.config
+        rotary = None
+        if self.rotary is not None:  # angles for the whole sequence, also from a shard of it
+            shards = config.tensor_model_parallel_size if config.sequence_parallel else 1
+            rotary = self.rotary(hidden.shape[0] * shards)
+        with sequence_parallel_rng(config):
+            out, _ = self.layer(hidden, attention_mask=None, rotary_pos_emb=rotary)
         return out
 
     def rotary_at(self, position_ids: torch.Tensor, length: int) -> torch.Tensor | None:
@@ -352,11 +418,23 @@ class TransformerPiece(nn.Module):
         return out
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.recompute and self.training and torch.is_grad_enabled():
-            from megatron.core import tensor_parallel
+        if not (self._unit or self._in_unit) or not (self.training and torch.is_grad_enabled()):
+            return self._run(hidden)
+        if self._in_unit:  # its unit's first layer ran it
+            return hidden
+        from megatron.core import tensor_parallel
 
-            return tensor_parallel.checkpoint(self._run, False, hidden)
-        return self._run(hidden)
+        return tensor_parallel.checkpoint(self._run_unit, False, hidden)
+
+
+def sequence_parallel_rng(config):
+    """megatron-core's model-parallel RNG stream with sequence parallelism (each TP rank's
+    sequence shard draws its own dropout), else nothing."""
+    if not config.sequence_parallel:
+        return contextlib.nullcontext()
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return get_cuda_rng_tracker().fork()
 
 
 def vocab_parallel_embedding(config, vocab_size: int):

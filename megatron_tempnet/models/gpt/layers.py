@@ -12,6 +12,14 @@ flat list:
     FinalNorm         [s, b, h]
     output layer      [s, b, h] -> logits [b, s, V_pad/tp] (tied: the WordEmbedding's weight)
 
+With sequence parallelism (``--sequence-parallel``) everything from ``EmbeddingOutput``'s output
+to the output layer's input is this TP rank's sequence shard ``[s/tp, b, h]`` (also what pipeline
+stages pass on): ``EmbeddingOutput`` keeps its shard of the sequence, the layers' column-parallel
+linears all-gather it and the row-parallel ones reduce-scatter back to it, and the output layer
+all-gathers it (the fused output stage gathers one chunk of tokens at a time instead). The
+gradients of the parameters applied to a shard (norms, row-parallel biases) are summed over the
+TP group in the backward pass (``distributed.sequence_parallel``).
+
 ``gpt_layer_specs`` gives the list as DeepSpeed ``LayerSpec``s: ``GPTStack`` builds and runs them
 in one process, and a DeepSpeed ``PipelineModule`` cuts the same list into stages. Every piece is
 built right after ``seed_rngs(base_seed + its index)``, so a pipeline stage builds exactly the
@@ -25,8 +33,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from megatron_tempnet.distributed.sequence_parallel import sum_sequence_parallel_grads
 from megatron_tempnet.models.attention import layer_spec as attention_layer_spec
 from megatron_tempnet.models.gpt.config import ModelConfig
+from megatron_tempnet.models.recompute import Recompute
 from megatron_tempnet.models.transformer import (
     FinalNorm,
     TransformerPiece,
@@ -48,13 +58,15 @@ class FinalHidden(NamedTuple):
     """
 
     hidden: torch.Tensor
-    """``[s, b, h]`` the final norm's output."""
+    """``[s, b, h]`` the final norm's output; ``[s/tp, b, h]`` with ``sequence_parallel``."""
     weight: torch.Tensor
     """``[V_pad/tp, h]`` this rank's slice of the output layer (tied: the word embeddings)."""
     tempnet: nn.Module | None = None
     """TempNet, added by a pipeline's last piece."""
     tempnet_params: tuple[torch.Tensor, ...] | None = None
     """Views of TempNet's ``weight1`` and ``projection_parameters()`` (pipeline)."""
+    sequence_parallel: bool = False
+    """``hidden`` is this TP rank's sequence shard (``--sequence-parallel``)."""
 
 
 def stage_view(param: torch.Tensor) -> torch.Tensor:
@@ -74,26 +86,35 @@ class WordEmbedding(nn.Module):
         super().__init__()
         self.word_embeddings = vocab_parallel_embedding(config, vocab_size)
         self.output_layer = _output_layer(config, vocab_size, shared_weight=True) if tied else None
+        self.sequence_parallel = config.sequence_parallel
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]):
         tokens, position_ids = inputs  # [b, s] each
         return self.word_embeddings(tokens), position_ids  # [b, s, h]
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[s, b, h] -> logits [b, s, V_pad/tp] with the embedding's weight."""
+        """[s, b, h] (sequence parallel: [s/tp, b, h], all-gathered by the layer) -> logits
+        [b, s, V_pad/tp] with the embedding's weight."""
         logits, _ = self.output_layer(hidden, weight=self.word_embeddings.weight)
         return logits.transpose(0, 1).contiguous()
 
     def final_hidden(self, hidden: torch.Tensor) -> FinalHidden:
         """The tied output layer's input instead of its logits (the fused output stage)."""
-        return FinalHidden(hidden, stage_view(self.word_embeddings.weight))
+        weight = stage_view(self.word_embeddings.weight)
+        return FinalHidden(hidden, weight, sequence_parallel=self.sequence_parallel)
 
 
 class EmbeddingOutput(nn.Module):
-    """Learned absolute positions (GPT-2; nothing for RoPE), the [s, b, h] layout, dropout."""
+    """Learned absolute positions (GPT-2; nothing for RoPE), the [s, b, h] layout, dropout.
+
+    With sequence parallelism the output is this TP rank's shard ``[s/tp, b, h]`` (its backward
+    pass all-gathers the gradient), its dropout drawn in megatron-core's model-parallel RNG
+    stream (each shard its own), as megatron-core's embedding does.
+    """
 
     def __init__(self, config, max_position_embeddings: int, learned_positions: bool):
         super().__init__()
+        self.sequence_parallel = config.sequence_parallel
         self.position_embeddings = None
         if learned_positions:
             self.position_embeddings = nn.Embedding(max_position_embeddings, config.hidden_size)
@@ -105,7 +126,15 @@ class EmbeddingOutput(nn.Module):
         embeddings, position_ids = inputs  # [b, s, h], [b, s]
         if self.position_embeddings is not None:
             embeddings = embeddings + self.position_embeddings(position_ids)
-        return self.dropout(embeddings.transpose(0, 1).contiguous())  # [s, b, h]
+        embeddings = embeddings.transpose(0, 1).contiguous()  # [s, b, h]
+        if not self.sequence_parallel:
+            return self.dropout(embeddings)
+        from megatron.core import tensor_parallel
+
+        shard = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)  # [s/tp, b, h]
+        # the shard is a view of the whole sequence: a copy lets the whole be freed
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return self.dropout(shard.clone())
 
 
 class OutputLayer(nn.Module):
@@ -115,6 +144,7 @@ class OutputLayer(nn.Module):
         super().__init__()
         self.output_layer = _output_layer(config, vocab_size, shared_weight=False)
         self.fused = fused
+        self.sequence_parallel = config.sequence_parallel
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | FinalHidden:
         if self.fused:
@@ -124,7 +154,8 @@ class OutputLayer(nn.Module):
 
     def final_hidden(self, hidden: torch.Tensor) -> FinalHidden:
         """The output layer's input instead of its logits (the fused output stage)."""
-        return FinalHidden(hidden, stage_view(self.output_layer.weight))
+        weight = stage_view(self.output_layer.weight)
+        return FinalHidden(hidden, weight, sequence_parallel=self.sequence_parallel)
 
 
 def _output_layer(config, vocab_size: int, shared_weight: bool):
@@ -149,20 +180,32 @@ def gpt_layer_specs(
     *,
     tensor_parallel_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
-    recompute_activations: bool = False,
+    recompute: Recompute | None = None,
     fused_output_stage: bool = False,
+    sequence_parallel: bool = False,
 ) -> list:
     """The model as DeepSpeed layer specs (built lazily, on the stage that owns them).
 
     Tied embeddings (GPT-2) are a ``TiedLayerSpec`` at both ends of the list. With
-    ``fused_output_stage`` the last piece returns ``FinalHidden`` instead of the logits.
+    ``fused_output_stage`` the last piece returns ``FinalHidden`` instead of the logits. With
+    ``sequence_parallel`` (TP > 1) the pieces pass ``[s/tp, b, h]`` shards (module docstring);
+    the builder then calls ``sum_sequence_parallel_grads`` on what it built. ``recompute``:
+    selective recomputation is the layers' config; full recomputation is set up on the built
+    layers of each stage (``Recompute.apply``).
     """
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     config = transformer_config(
-        model, tensor_parallel_size=tensor_parallel_size, params_dtype=params_dtype
+        model,
+        tensor_parallel_size=tensor_parallel_size,
+        params_dtype=params_dtype,
+        sequence_parallel=sequence_parallel,
+        selective_recompute=recompute is not None and recompute.selective,
     )
-    layer_spec = attention_layer_spec(model.normalization, model.attention_backend)
+    own_norm = config.sequence_parallel or config.layernorm_zero_centered_gamma
+    layer_spec = attention_layer_spec(
+        model.normalization, model.attention_backend, own_norm=own_norm
+    )
     vocab = model.padded_vocab_size(tensor_parallel_size)
     tied = not model.untie_embeddings_and_output_weights
     rope = model.rope()
@@ -182,7 +225,7 @@ def gpt_layer_specs(
         embedding = LayerSpec(WordEmbedding, config, vocab, False)
         output = LayerSpec(OutputLayer, config, vocab, fused_output_stage)
     layers = [
-        LayerSpec(TransformerPiece, config, layer_spec, i + 1, rope, recompute_activations)
+        LayerSpec(TransformerPiece, config, layer_spec, i + 1, rope)
         for i in range(model.num_layers)
     ]
     learned = model.position_embedding_type == "learned_absolute"
@@ -201,12 +244,13 @@ class GPTStack(nn.Module):
     ``forward(tokens [b, s], position_ids [b, s])`` -> logits ``[b, s, V_pad/tp]``.
     """
 
-    def __init__(self, specs: list, base_seed: int):
+    def __init__(self, specs: list, base_seed: int, recompute: Recompute | None = None):
         super().__init__()
         from deepspeed.pipe import TiedLayerSpec
 
         self.pieces = nn.ModuleList()
         self.num_specs = len(specs)  # the next piece (TempNet) is seeded with base + this
+        self.sequence_parallel_hooks: list = []
         self._calls: list = []
         tied: dict[str, nn.Module] = {}
         for index, spec in enumerate(specs):
@@ -220,6 +264,8 @@ class GPTStack(nn.Module):
                 tied[spec.key] = module
             self.pieces.append(module)
             self._calls.append(module)
+        if recompute is not None:
+            recompute.apply([p for p in self.pieces if isinstance(p, TransformerPiece)])
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = (tokens, position_ids)
@@ -232,7 +278,7 @@ class GPTStack(nn.Module):
         x = (tokens, position_ids)
         for call in self._calls[:-1]:
             x = call(x)
-        return FinalHidden(x, self.output_weight)
+        return FinalHidden(x, self.output_weight, sequence_parallel=self.sequence_parallel)
 
     def generation_forward(
         self,
@@ -260,6 +306,17 @@ class GPTStack(nn.Module):
     def embedding(self) -> WordEmbedding:
         return self.pieces[0]
 
+    def sum_sequence_parallel_grads(self, tp_group) -> None:
+        """Sum the gradients of the parameters applied to sequence shards over ``tp_group``
+        (``distributed.sequence_parallel``); the hooks' handles stay in
+        ``sequence_parallel_hooks``."""
+        self.sequence_parallel_hooks = sum_sequence_parallel_grads(self, tp_group)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """The pieces pass ``[s/tp, b, h]`` sequence shards (``--sequence-parallel``)."""
+        return self.embedding.sequence_parallel
+
     @property
     def output_weight(self) -> nn.Parameter:
         """The output layer's ``[V_pad/tp, h]`` weight (tied: the word embeddings')."""
@@ -278,18 +335,28 @@ def build_gpt_model(
     *,
     tensor_parallel_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
-    recompute_activations: bool = False,
+    recompute: Recompute | None = None,
     seed: int = 1234,
+    sequence_parallel: bool = False,
 ) -> GPTStack:
     """The one-process language model; its forward returns logits ``[b, s, V_pad/tp]``.
 
     megatron-core's ``parallel_state`` must be initialised (TP group) before the call. The
-    weights depend on ``seed`` only, not on the parallel layout (on CPU).
+    weights depend on ``seed`` only, not on the parallel layout (on CPU). With
+    ``sequence_parallel`` (TP > 1) the pieces pass sequence shards and the shard-applied
+    parameters' gradients are summed over the TP group (the hooks' handles are the stack's
+    ``sequence_parallel_hooks``).
     """
     specs = gpt_layer_specs(
         model,
         tensor_parallel_size=tensor_parallel_size,
         params_dtype=params_dtype,
-        recompute_activations=recompute_activations,
+        recompute=recompute,
+        sequence_parallel=sequence_parallel,
     )
-    return GPTStack(specs, seed)
+    stack = GPTStack(specs, seed, recompute)
+    if stack.sequence_parallel:
+        from megatron.core import parallel_state
+
+        stack.sum_sequence_parallel_grads(parallel_state.get_tensor_model_parallel_group())
+    return stack

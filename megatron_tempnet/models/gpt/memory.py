@@ -16,7 +16,10 @@ Activations (bytes, ``e`` the element size, ``t`` TP, micro-batch ``b``, sequenc
 ``h``, ``a`` heads of size ``d``, ``g`` key/value groups, FFN ``f``; f' = 2f with SwiGLU): what
 one layer keeps for backward, ``s*b*e*(4h + (qkv + h + f + f')/t) + attention``: the inputs of
 its two norms and four linear layers, query, key and value, the attention context, and what the
-attention keeps. The attention is what ``--attention-backend`` builds (``models/attention.py``):
+attention keeps. With ``--sequence-parallel`` the norms and the column-parallel linears keep this
+rank's sequence shard, ``4h`` becomes ``4h/t`` (and a layer's input ``s*b*e*h/t``), and
+megatron-core's all-gather buffer ``[s, b, h]`` (one, reused by every layer) is added. The
+attention is what ``--attention-backend`` builds (``models/attention.py``):
 
 * ``unfused`` (megatron-core's ``DotProductAttention``): key and value expanded to every head
   (``qkv = 3h``) and the softmax ``[b, a/t, s, s]`` (``e*b*a*s^2/t``); while it runs, its two
@@ -26,7 +29,11 @@ attention keeps. The attention is what ``--attention-backend`` builds (``models/
   nothing of size ``s^2``: the kernels work block by block.
 
 Times layers times micro-batches in flight (DeepSpeed's pipeline keeps ``min(PP - stage,
-micro-batches)``). With recomputation a layer keeps its input only, and one layer is rebuilt at a
+micro-batches)``). Recomputation (``models.recompute``) changes what the stage's ``L`` layers
+keep: selective, every layer all of it but the core attention's part (the softmax, or the
+log-sum-exp), rebuilt one attention at a time; full + uniform, the input ``s*b*e*h`` of each of
+the ``ceil(L / n)`` chunks, a whole chunk (``min(n, L)`` layers) rebuilt at a time; full + block,
+the input of the first ``min(n, L)`` layers and everything of the others, one layer rebuilt at a
 time. A frozen LM keeps nothing: one layer's working set at a time. The last stage adds, with
 the fused output stage (default), one chunk of ``c`` tokens' logits ``[c, V/t]`` in float32 (and
 the GEMM's ``e``-byte output under bf16/fp16), the per-token statistics the backward pass reuses
@@ -54,6 +61,7 @@ from megatron_tempnet.models.memory import (  # noqa: F401  (the planner's and t
     GIB,
     PRECISIONS,
     BatchLayout,
+    core_attention_bytes,
     layer_activation_bytes,
     layer_params,
     model_state_bytes,
@@ -71,10 +79,18 @@ class EstimateError(UserError, ValueError):
 @dataclass
 class Layout(BatchLayout):
     freeze_lm: bool = False
-    recompute_activations: bool = False
+    recompute_granularity: str | None = None
+    """None, full or selective (--recompute-granularity; --recompute-activations: selective)."""
+    recompute_method: str | None = None
+    """With full: uniform or block."""
+    recompute_num_layers: int | None = None
+    """With full: layers per chunk (uniform) or recomputed layers per stage (block)."""
     tempnet: bool = True
     tempnet_hidden_size: int = TempNetConfig.tempnet_hidden_size
     tempnet_proj_size: int = TempNetConfig.tempnet_proj_size
+    sequence_parallel: bool = False
+    """--sequence-parallel: the norm, dropout and residual regions keep ``[s/t, b, h]`` (the
+    layers' ``4h`` and their inputs / t; with TP 1 nothing changes)."""
     fused_output_stage: bool = True
     output_stage_chunk_size: int = 0
     """Tokens per chunk of the fused output stage (0: its default)."""
@@ -129,6 +145,12 @@ def check_layout(model: ModelConfig, layout: Layout) -> None:
         raise EstimateError(f"--zero-stage ({lay.zero_stage}) must be 0, 1, 2 or 3")
     if lay.precision not in PRECISIONS:
         raise EstimateError(f"precision {lay.precision!r} is not one of {', '.join(PRECISIONS)}")
+    _check_recompute(lay)
+    if lay.sequence_parallel and model.seq_length % lay.tensor_parallel:
+        raise EstimateError(
+            f"--sequence-parallel: --seq-length ({model.seq_length}) must be divisible by "
+            f"--tensor-model-parallel-size ({lay.tensor_parallel})"
+        )
     if lay.output_stage_chunk_size < 0:
         raise EstimateError(
             f"--output-stage-chunk-size ({lay.output_stage_chunk_size}) must be >= 1, or 0 for "
@@ -141,6 +163,23 @@ def check_layout(model: ModelConfig, layout: Layout) -> None:
         raise EstimateError(
             f"--global-batch-size ({lay.global_batch_size}) must be a multiple "
             f"of --micro-batch-size x --dp ({per_step})"
+        )
+
+
+def _check_recompute(lay: Layout) -> None:
+    full = lay.recompute_granularity == "full"
+    if lay.recompute_granularity not in (None, "full", "selective"):
+        raise EstimateError(
+            f"--recompute-granularity {lay.recompute_granularity!r}: expected full or selective"
+        )
+    if full and (lay.recompute_method not in ("uniform", "block") or not lay.recompute_num_layers):
+        raise EstimateError(
+            "--recompute-granularity full needs --recompute-method uniform or block and "
+            "--recompute-num-layers >= 1"
+        )
+    if not full and (lay.recompute_method or lay.recompute_num_layers):
+        raise EstimateError(
+            "--recompute-method and --recompute-num-layers go with --recompute-granularity full"
         )
 
 
@@ -221,7 +260,8 @@ def _fused_output_bytes(model: ModelConfig, layout: Layout, tokens: int, local_v
     accumulator = 0
     if e != 4 and not layout.freeze_lm:
         h = model.hidden_size
-        accumulator = 4 * local_vocab * h + (4 - e) * tokens * h  # float32 beyond the 16-bit
+        own = tokens // layout.tensor_parallel if layout.sequence_parallel else tokens
+        accumulator = 4 * local_vocab * h + (4 - e) * own * h  # float32 beyond the 16-bit
     return {
         "output-stage chunk": chunk * local_vocab * per_value,
         "output-stage state": per_token + accumulator,
@@ -232,28 +272,53 @@ def estimate(model: ModelConfig, layout: Layout, seq_length: int | None = None) 
     """Per-GPU estimate of every pipeline stage (the caller picks the largest)."""
     check_layout(model, layout)
     s = seq_length or model.seq_length
-    per_layer = layer_activation_bytes(model, layout, s)
     out = []
     for i, p in enumerate(stage_params(model, layout)):
         trainable = p.tempnet + (0 if layout.freeze_lm else p.lm)
         frozen = p.lm if layout.freeze_lm else 0
         parts = model_state_bytes(trainable, frozen, p.largest_layer, layout)
         in_flight = min(layout.pipeline_parallel - i, layout.micro_batches)
-        transient = _attention_transient(model, layout, s)
-        if layout.freeze_lm:  # no graph through the LM: one layer's working set at a time
-            stored, working = 0, per_layer + transient
-        elif layout.recompute_activations:  # layer inputs kept; one layer rebuilt in backward
-            e, b = PRECISIONS[layout.precision], layout.micro_batch_size
-            stored, working = in_flight * p.layers * s * b * e * model.hidden_size, per_layer
-        else:
-            stored, working = in_flight * p.layers * per_layer, transient
-        parts["activations"] = stored
+        kept, working = layer_activations(model, layout, p.layers, s)
+        parts["activations"] = in_flight * kept
+        if layout.sequence_parallel and layout.tensor_parallel > 1:
+            parts["SP gather buffer"] = _gather_buffer(model, layout, s)
         outputs = output_bytes(model, layout, s) if p.last else {}
         parts.update(outputs)
         # a layer's working set and the output buffers never coexist: the larger one counts
         parts["layer working set"] = max(0, working - sum(outputs.values()))
         out.append(Estimate(stage=i, params=p, parts=parts))
     return out
+
+
+def layer_activations(model: ModelConfig, layout: Layout, layers: int, seq_length: int):
+    """(What a stage's ``layers`` keep for one micro-batch, the largest working set while one
+    of them runs or is rebuilt) under --recompute-* (module docstring)."""
+    s = seq_length
+    per_layer = layer_activation_bytes(model, layout, s)
+    transient = _attention_transient(model, layout, s)
+    layer_input = s * layout.micro_batch_size * PRECISIONS[layout.precision] * model.hidden_size
+    if layout.sequence_parallel:  # each rank keeps its shard of the sequence
+        layer_input //= layout.tensor_parallel
+    n = layout.recompute_num_layers
+    if layout.freeze_lm:  # no graph through the LM: one layer's working set at a time
+        return 0, per_layer + transient
+    if layout.recompute_granularity == "selective":
+        core = core_attention_bytes(model, layout, s)
+        return layers * (per_layer - core), transient + core
+    if layout.recompute_granularity == "full" and layout.recompute_method == "uniform":
+        return -(-layers // n) * layer_input, min(n, layers) * per_layer
+    if layout.recompute_granularity == "full":  # block
+        recomputed = min(n, layers)
+        kept = recomputed * layer_input + (layers - recomputed) * per_layer
+        return kept, per_layer if recomputed else transient
+    return layers * per_layer, transient
+
+
+def _gather_buffer(model: ModelConfig, layout: Layout, seq_length: int) -> int:
+    """megatron-core's buffer for the column-parallel linears' all-gather of the sequence
+    ``[s, b, h]`` (one, kept and reused by every layer, forward and backward)."""
+    e = PRECISIONS[layout.precision]
+    return seq_length * layout.micro_batch_size * e * model.hidden_size
 
 
 def largest(estimates: list[Estimate]) -> Estimate:

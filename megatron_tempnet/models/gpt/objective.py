@@ -178,7 +178,7 @@ def _fused_token_losses(
     else:
         source = {"tau": config.fixed_tau}
     out = fused_output_stage(
-        final.hidden,  # [s, b, h]: the labels are transposed instead of the hidden states
+        final.hidden,  # [s, b, h] or [s/tp, b, h]: the labels are transposed instead
         final.weight,
         labels.t(),
         loss=config.loss,
@@ -187,6 +187,7 @@ def _fused_token_losses(
         tp_group=tp_group,
         chunk_size=config.output_stage_chunk_size or None,
         eval_terms=not torch.is_grad_enabled(),
+        sequence_parallel=final.sequence_parallel,
         **source,
     )
     ts_ce = out.ts_ce.t() if out.ts_ce is not None else None
@@ -213,21 +214,32 @@ class OutputStage(torch.nn.Module):
     its forward and backward passes: ``zero3_parameters`` are registered with it.
     """
 
-    def __init__(self, weight, tempnet, loss: LossConfig, vocab_size: int, tp_group=None):
+    def __init__(
+        self,
+        weight,
+        tempnet,
+        loss: LossConfig,
+        vocab_size: int,
+        tp_group=None,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         # tuples: neither is a submodule here (no second name in the state dict)
         self._weight, self._tempnet = (weight,), (tempnet,)
         self.loss_config, self.vocab_size, self.tp_group = loss, vocab_size, tp_group
+        self.sequence_parallel = sequence_parallel
 
     def zero3_parameters(self) -> list[torch.nn.Parameter]:
         tempnet = self._tempnet[0]
         return [self._weight[0]] + (list(tempnet.parameters()) if tempnet is not None else [])
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``[s, b, h]`` final hidden states, ``[b, s]`` labels -> ``(loss, ce, tau[, ts_ce])``
-        (tensors: ZeRO-3 finds its backward hooks' anchors in them)."""
+        """``[s, b, h]`` final hidden states (sequence parallel: ``[s/tp, b, h]``), ``[b, s]``
+        labels -> ``(loss, ce, tau[, ts_ce])`` (tensors: ZeRO-3 finds its backward hooks'
+        anchors in them)."""
+        final = FinalHidden(hidden, self._weight[0], sequence_parallel=self.sequence_parallel)
         out = token_losses(
-            FinalHidden(hidden, self._weight[0]),
+            final,
             labels,
             self.loss_config,
             vocab_size=self.vocab_size,
@@ -261,13 +273,15 @@ class TrainModule(torch.nn.Module):
         self.freeze_lm, self.tp_group = freeze_lm, tp_group
         self.output_stage = None
         if loss.fused_output_stage:
-            self.output_stage = OutputStage(lm.output_weight, tempnet, loss, vocab_size, tp_group)
+            self.output_stage = OutputStage(
+                lm.output_weight, tempnet, loss, vocab_size, tp_group, lm.sequence_parallel
+            )
 
     def forward(self, tokens, position_ids, labels) -> TokenLosses:
         """``[b, s]`` token ids, positions and labels -> per-token loss, CE and tau."""
         with torch.no_grad() if self.freeze_lm else contextlib.nullcontext():
             if self.output_stage is not None:
-                hidden = self.lm.final_hidden(tokens, position_ids).hidden  # [s, b, h]
+                hidden = self.lm.final_hidden(tokens, position_ids).hidden  # [s(/tp), b, h]
             else:
                 logits = self.lm(tokens, position_ids)  # [b, s, V_pad/tp]
         if self.output_stage is not None:

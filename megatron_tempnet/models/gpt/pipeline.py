@@ -15,6 +15,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 
 from megatron_tempnet import compat
+from megatron_tempnet.distributed.sequence_parallel import sum_sequence_parallel_grads
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.gpt.layers import (
     EMBEDDING_KEY,
@@ -31,7 +32,8 @@ from megatron_tempnet.models.gpt.step import (
     unpack_batch,
     validation_metrics,
 )
-from megatron_tempnet.models.transformer import seed_rngs
+from megatron_tempnet.models.recompute import Recompute
+from megatron_tempnet.models.transformer import TransformerPiece, seed_rngs
 from megatron_tempnet.tempnet import TempNetLM
 from megatron_tempnet.trainer.pipeline import NormRecorder, Pipeline, share_from_last_stage
 from megatron_tempnet.trainer.stats import Statistics, StepStats
@@ -112,19 +114,22 @@ def build_pipeline(
     tensor_parallel: int,
     pipeline_parallel: int,
     dtype: torch.dtype,
-    recompute: bool,
+    recompute: Recompute,
     freeze_lm: bool,
     seed: int,
     tempnet_kwargs: dict,
     tp_group,
+    sequence_parallel: bool = False,
 ) -> GPTPipeline:
-    """This rank's stage of the model; the same weights as the one-process model (on CPU)."""
+    """This rank's stage of the model; the same weights as the one-process model (on CPU).
+    With ``sequence_parallel`` the stages pass ``[s/tp, b, h]`` shards to each other."""
     specs = gpt_layer_specs(
         model,
         tensor_parallel_size=tensor_parallel,
         params_dtype=dtype,
-        recompute_activations=recompute,
+        recompute=recompute,
         fused_output_stage=loss.fused_output_stage,
+        sequence_parallel=sequence_parallel,
     )
     if loss.uses_tempnet:
         specs.append(LayerSpec(TempNetPiece, **tempnet_kwargs))
@@ -143,6 +148,9 @@ def build_pipeline(
         optional={"tempnet.": "TempNet"},
         forward_only=freeze_lm,
     )
+    sum_sequence_parallel_grads(module, tp_group)  # the marked parameters, if any
+    pieces = compat.pipeline_pieces(module)
+    recompute.apply([p for p in pieces if isinstance(p, TransformerPiece)])  # this stage's
     if freeze_lm:
         for piece in compat.pipeline_pieces(module):
             if isinstance(piece, nn.Module) and not isinstance(piece, TempNetPiece):
