@@ -23,10 +23,12 @@ from megatron_tempnet.trainer.checkpoint_format import (
     latest_tag,
 )
 from megatron_tempnet.trainer.config import RunConfig
-from megatron_tempnet.trainer.engine import build_engine, init_process_groups, set_learning_rates
+from megatron_tempnet.trainer.engine import build_engine, init_process_groups
 from megatron_tempnet.trainer.metrics import RunLogger, memory_mb
 from megatron_tempnet.trainer.preemption import EXIT_REQUEUE, StopRequests
+from megatron_tempnet.trainer.profiling import RunHooks
 from megatron_tempnet.trainer.run_lock import RunLock
+from megatron_tempnet.trainer.schedule import LRSchedule, TrainSchedule
 from megatron_tempnet.trainer.stats import read_step
 from megatron_tempnet.trainer.step import check_finite, compute_device
 from megatron_tempnet.trainer.task import Task, TaskData, TrainModel
@@ -73,7 +75,7 @@ def _train(
     data = task.build_data(config, inputs)
     model = task.build_model(config, data)
     engine, optimizer = build_engine(model, config, world_size)
-    start, data_state = _resume(engine, config, data, model)
+    start, data_state, schedule_state = _resume(engine, config, data, model)
     _save_config(config)
     t, ckpt = config.training, config.checkpoint
     loader = ResumableLoader(
@@ -84,45 +86,59 @@ def _train(
         parallel_state.get_data_parallel_world_size(),
         num_workers=t.num_workers,
     )
-    gas = config.gradient_accumulation_steps(world_size)
+    schedule = TrainSchedule(t.batch_schedule(), LRSchedule.from_config(config.optimizer, t))
+    schedule.load_state_dict(schedule_state, data_state.consumed_samples)
+    per_micro_batch = t.micro_batch_size * parallel_state.get_data_parallel_world_size()
     run_log = RunLogger(config.logging, start, json.loads(config.to_json()))
     step = task.build_step(engine, optimizer, config, data)
+    hooks = RunHooks(config, model.flops_per_sample, world_size, data_state.consumed_samples)
+    hooks.start()
     if ckpt.save:  # without somewhere to save, a signal keeps its usual meaning
         requests.install()
     result = RunResult({}, start)
     tic, counted = time.perf_counter(), 0.0
-    for iteration in range(start + 1, t.train_iters + 1):
+    for iteration in range(start + 1, t.iterations + 1):
         result.iteration = iteration
-        rates = set_learning_rates(optimizer, iteration - 1, config.optimizer)
-        stats = step([next(loader) for _ in range(gas)])
+        hooks.before(iteration)
+        batch = schedule.begin(iteration, loader.state().consumed_samples)
+        engine.set_train_batch_size(batch)  # the number of micro-batches (--rampup-batch-size)
+        rates = schedule.set_learning_rates(optimizer)
+        stats = step([next(loader) for _ in range(batch // per_micro_batch)])
         # collective: all ranks stop together
-        stop = requests.flags(compute_device()) if ckpt.save and iteration < t.train_iters else None
+        stop = requests.flags(compute_device()) if ckpt.save and iteration < t.iterations else None
         # the iteration's one wait for the device: statistics, norm and stop flags in one copy
         report = read_step(stats, *(() if stop is None else (stop,)))
         overflow = t.fp16 and not stats.applied  # the loss scale is lowered, the step skipped
         check_finite(report.metrics, report.grad_norm, iteration, overflow)
+        hooks.after(iteration)
+        schedule.end(applied=not overflow)  # a skipped step does not advance the schedule
         if overflow:
             log_rank0("iteration %d: fp16 overflow, the optimizer step was skipped", iteration)
         counted += report.count
-        if iteration % config.logging.log_interval == 0 or iteration == t.train_iters:
+        if iteration % config.logging.log_interval == 0 or iteration == t.iterations:
             throughput = counted / max(time.perf_counter() - tic, 1e-9)
             result.metrics = {
                 **report.metrics,
                 **rates,
                 "grad_norm": report.grad_norm,
                 f"{stats.unit}_per_sec": throughput,
+                **hooks.metrics(loader.state().consumed_samples, time.perf_counter() - tic),
                 "memory_mb": memory_mb(),
                 "consumed_samples": loader.state().consumed_samples,
+                "global_batch_size": batch,
             }
             tau_sample = stats.tau_sample() if stats.tau_sample is not None else None
             run_log.log(iteration, result.metrics, tau_sample)
             tic, counted = time.perf_counter(), 0.0
         if data.valid is not None and _should_validate(iteration, config, task):
-            run_log.log(iteration, task.validate(engine, config, data))
+            with hooks.validation():
+                run_log.log(iteration, task.validate(engine, config, data))
         if stop is not None:
             result.stopped = requests.decide(report.extra[0])
-        if ckpt.save and (result.stopped or _should_save(iteration, config)):
-            _save(engine, config, iteration, loader, data, model)
+        # Megatron-LM's rule: a checkpoint before the ramp changes the number of micro-batches
+        ramps = schedule.batches.batch_size(loader.state().consumed_samples) != batch
+        if ckpt.save and (result.stopped or _should_save(iteration, config) or ramps):
+            _save(engine, config, iteration, loader, data, model, schedule)
         if result.stopped:
             log_rank0(
                 "%s: stopped after iteration %d at a checkpoint; exit status %d asks for a requeue",
@@ -138,6 +154,7 @@ def _train(
         # a stopped run keeps ignoring SIGTERM until it exits: srun --kill-on-bad-exit sends it
         # to the ranks still shutting down when the first one exits with EXIT_REQUEUE
         requests.restore()
+    hooks.close()
     run_log.close()
     dist.barrier()
     return result
@@ -161,21 +178,25 @@ def _lock_save_dir(config: RunConfig) -> RunLock | None:
 
 def _should_validate(iteration: int, config: RunConfig, task: Task) -> bool:
     t = config.training
-    if task.evaluate_at_end and iteration == t.train_iters:
+    if task.evaluate_at_end and iteration == t.iterations:
         return True
     return bool(t.eval_interval and iteration % t.eval_interval == 0)
 
 
 def _should_save(iteration: int, config: RunConfig) -> bool:
-    ckpt, end = config.checkpoint, config.training.train_iters
+    ckpt, end = config.checkpoint, config.training.iterations
     periodic = ckpt.save_interval and iteration % ckpt.save_interval == 0
     return bool(periodic or iteration == end or iteration == ckpt.exit_interval)
 
 
-def _resume(engine, config: RunConfig, data: TaskData, model: TrainModel) -> tuple[int, DataState]:
-    """The iteration and data position to start from (0 and the start without --load)."""
+def _resume(
+    engine, config: RunConfig, data: TaskData, model: TrainModel
+) -> tuple[int, DataState, dict | None]:
+    """The iteration, data position and schedule state to start from (0, the start and None
+    without --load)."""
     ckpt = config.checkpoint
     start, data_state = 0, DataState(0, dataset_fingerprint(data.train))
+    schedule_state = None
     fresh = ckpt.load and latest_tag(ckpt.load) is None
     reshard = {"tensor_layout": model.tensor_layout, "weights_reader": model.weights_reader}
     if ckpt.pretrained_checkpoint and (fresh or model.frozen_from_pretrained):
@@ -205,20 +226,35 @@ def _resume(engine, config: RunConfig, data: TaskData, model: TrainModel) -> tup
             frozen_loaded=model.frozen_from_pretrained,
             global_batch_size=config.training.global_batch_size,
             fallback=ckpt.load_fallback,
+            load_rng=not ckpt.no_load_rng,
+            require=ckpt.exit_on_missing_checkpoint,
             **reshard,
         )
         if client is not None:
             start = int(client["iteration"])
             data_state = DataState.from_state_dict(client["data"], data.train)
+            schedule_state = client.get("schedule")
             if data.rank_state is not None and "rank_states" in client:  # another layout
                 data.rank_state.load_state_dicts(client["rank_states"])
             elif data.rank_state is not None:
                 data.rank_state.load_state_dict(client.get("rank_state"))
-    return start, data_state
+    return start, data_state, schedule_state
 
 
-def _save(engine, config: RunConfig, iteration: int, loader, data: TaskData, model: TrainModel):
-    client = {"data": loader.state().state_dict(), "config": json.loads(config.to_json())}
+def _save(
+    engine,
+    config: RunConfig,
+    iteration: int,
+    loader,
+    data: TaskData,
+    model: TrainModel,
+    schedule: TrainSchedule,
+):
+    client = {
+        "data": loader.state().state_dict(),
+        "schedule": schedule.state_dict(),
+        "config": json.loads(config.to_json()),
+    }
     save_checkpoint(
         engine,
         config.checkpoint.save,

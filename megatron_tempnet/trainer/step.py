@@ -11,6 +11,7 @@ once the gradients are reduced over the data-parallel ranks, without waiting for
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,15 @@ def deepspeed_clips_grad_norm(config: RunConfig) -> bool:
 def step_max_grad_norm(config: RunConfig) -> float | None:
     """The norm the step clips to itself (0 = measure only), or None when DeepSpeed does."""
     return None if deepspeed_clips_grad_norm(config) else config.optimizer.clip_grad
+
+
+def accumulation(engine, micro_batches: list) -> Iterator:
+    """The iteration's micro-batches, each after telling the engine whether it ends the
+    iteration (DeepSpeed's own count, micro-steps modulo the accumulation steps, goes wrong
+    once --rampup-batch-size changes the number of micro-batches)."""
+    for i, micro_batch in enumerate(micro_batches):
+        engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
+        yield micro_batch
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_tempnet.models.gpt import ModelConfig
 from megatron_tempnet.models.gpt.memory import Layout, stage_params
+from megatron_tempnet.models.recompute import Recompute
 from tests.helpers.distributed import run_distributed
 
 TEMPNET = dict(hidden_size=256, proj_size=256)
@@ -93,7 +94,7 @@ def _build_stage(model: ModelConfig, tp: int, pp: int, hf_shapes: dict) -> dict:
             with mock.patch.object(PipelineModule, "to", lambda self, *a, **k: self):
                 stage = build_pipeline(
                     model, LossConfig(), tensor_parallel=tp, pipeline_parallel=pp,
-                    dtype=torch.bfloat16, recompute=False, freeze_lm=False, seed=0,
+                    dtype=torch.bfloat16, recompute=Recompute(), freeze_lm=False, seed=0,
                     tempnet_kwargs=tempnet_kwargs, tp_group=tp_group,
                 )  # fmt: skip
             params = dict(stage.named_parameters())

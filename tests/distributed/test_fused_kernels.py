@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron_tempnet.models.clip.config import CLIPModelConfig
 from megatron_tempnet.models.gpt import ModelConfig
+from megatron_tempnet.models.recompute import Recompute
 from tests.helpers.distributed import run_distributed
 
 SEQ, BATCH = 16, 2
@@ -45,7 +46,7 @@ def _relative(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def _gpt_fast_vs_slow(cfg: ModelConfig, recompute: bool) -> dict:
+def _gpt_fast_vs_slow(cfg: ModelConfig, recompute: Recompute | None) -> dict:
     """Forward + backward of the same weights on both paths; this rank's relative differences."""
     from megatron.core import parallel_state
 
@@ -60,9 +61,7 @@ def _gpt_fast_vs_slow(cfg: ModelConfig, recompute: bool) -> dict:
     positions = torch.arange(SEQ)[None].expand(BATCH, SEQ)
 
     def run(model_cfg):
-        model = build_gpt_model(
-            model_cfg, tensor_parallel_size=tp, recompute_activations=recompute, seed=3
-        )
+        model = build_gpt_model(model_cfg, tensor_parallel_size=tp, recompute=recompute, seed=3)
         logits = model(tokens, positions)  # [b, s, V_pad / tp]
         (logits.float() ** 2).mean().backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
@@ -78,9 +77,12 @@ def _gpt_fast_vs_slow(cfg: ModelConfig, recompute: bool) -> dict:
     }
 
 
+SELECTIVE, FULL = Recompute("selective"), Recompute("full", "uniform", 1)
+
+
 @pytest.mark.parametrize(
-    "arch,tp,recompute", [("gpt2", 1, False), ("gpt2", 2, True), ("llama-gqa", 1, True),
-                          ("llama-gqa", 2, False)],
+    "arch,tp,recompute", [("gpt2", 1, None), ("gpt2", 2, SELECTIVE), ("llama-gqa", 1, FULL),
+                          ("llama-gqa", 2, None)],
 )  # fmt: skip
 def test_fused_path_equals_unfused_gpt(arch, tp, recompute):
     cfg = ModelConfig.from_preset("tiny", vocab_size=200, **ARCHS[arch])

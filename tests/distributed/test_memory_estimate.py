@@ -19,6 +19,7 @@ from megatron_tempnet.models.gpt.memory import (
     model_state_bytes,
     stage_params,
 )
+from megatron_tempnet.models.recompute import Recompute
 from tests.helpers.distributed import run_distributed
 from tests.helpers.entry_points import run_command
 
@@ -48,7 +49,7 @@ def test_model_states_match_deepspeeds_estimators(preset, vocab, dp):
         assert ours == pytest.approx(theirs, rel=0.05), (zero, ours, theirs)
 
 
-def _measure(tp: int, seq: int, mbs: int, vocab: int, recompute: bool, llama: bool, fused: bool):
+def _measure(tp: int, seq: int, mbs: int, vocab: int, recompute, llama: bool, fused: bool):
     """One training step of model + TempNet + DRO loss after a warm-up step; the peak of live
     tensor bytes (parameters, gradients, optimizer states, activations) from megatron-core's
     pieces through torch's MemTracker."""
@@ -66,7 +67,7 @@ def _measure(tp: int, seq: int, mbs: int, vocab: int, recompute: bool, llama: bo
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
     cfg = _config(seq, vocab, llama)
-    lm = build_gpt_model(cfg, tensor_parallel_size=tp, recompute_activations=recompute)
+    lm = build_gpt_model(cfg, tensor_parallel_size=tp, recompute=recompute)
     group = parallel_state.get_tensor_model_parallel_group()
     tempnet = TempNetLM(vocab, padded_vocab_size=cfg.padded_vocab_size(tp), tp_group=group)
     loss = LossConfig(rho=10.0, fused_output_stage=fused, output_stage_chunk_size=CHUNK)
@@ -102,16 +103,31 @@ def _config(seq: int, vocab: int, llama: bool) -> ModelConfig:
 CHUNK = 256  # tokens: the fused output stage in 4 chunks
 
 
+NO_RECOMPUTE = Recompute()
+
+
 @pytest.mark.parametrize(
     "tp,recompute,llama,fused",
     [
-        (1, False, False, True),
-        (2, False, False, True),
-        (1, True, False, True),
-        (2, False, True, True),
-        (1, False, False, False),
+        (1, NO_RECOMPUTE, False, True),
+        (2, NO_RECOMPUTE, False, True),
+        (1, Recompute("full", "uniform", 1), False, True),
+        (2, NO_RECOMPUTE, True, True),
+        (1, NO_RECOMPUTE, False, False),
+        (1, Recompute("full", "uniform", 2), False, True),
+        (1, Recompute("full", "block", 1), False, True),
+        (2, Recompute("selective"), True, True),
     ],
-    ids=["tp1", "tp2", "tp1-recompute", "tp2-llama", "tp1-unfused-output-stage"],
+    ids=[
+        "tp1",
+        "tp2",
+        "tp1-recompute",
+        "tp2-llama",
+        "tp1-unfused-output-stage",
+        "tp1-uniform-2",
+        "tp1-block-1",
+        "tp2-llama-selective",
+    ],
 )
 def test_total_is_within_20_percent_of_the_measured_peak(tp, recompute, llama, fused):
     seq, mbs, vocab = 256, 4, 4096  # activations, logits and the loss's buffers dominate
@@ -121,7 +137,9 @@ def test_total_is_within_20_percent_of_the_measured_peak(tp, recompute, llama, f
     layout = Layout(
         tensor_parallel=tp,
         micro_batch_size=mbs,
-        recompute_activations=recompute,
+        recompute_granularity=recompute.granularity,
+        recompute_method=recompute.method,
+        recompute_num_layers=recompute.num_layers,
         fused_output_stage=fused,
         output_stage_chunk_size=CHUNK,
     )

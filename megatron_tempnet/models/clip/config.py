@@ -102,6 +102,8 @@ class CLIPModelConfig(TransformerImpl):
             num_attention_heads=self.vision_heads,
             init_method_std=self.init_method_std,
             quick_gelu=self.quick_gelu,
+            hidden_dropout=0.0,  # CLIP trains without dropout (OpenCLIP's default)
+            attention_dropout=0.0,
             **self.impl(),
         )
 
@@ -112,6 +114,8 @@ class CLIPModelConfig(TransformerImpl):
             num_attention_heads=self.text_heads,
             init_method_std=self.init_method_std,
             quick_gelu=self.quick_gelu,
+            hidden_dropout=0.0,  # CLIP trains without dropout (OpenCLIP's default)
+            attention_dropout=0.0,
             **self.impl(),
         )
 

@@ -35,6 +35,7 @@ from megatron_tempnet.models.clip.towers import (
     piece_builders,
     text_pooled,
 )
+from megatron_tempnet.models.recompute import Recompute
 from megatron_tempnet.models.transformer import seed_rngs
 from megatron_tempnet.trainer.pipeline import NormRecorder, Pipeline, share_from_last_stage
 from megatron_tempnet.trainer.stats import StepStats
@@ -171,7 +172,7 @@ def build_pipeline(
     tensor_parallel: int,
     pipeline_parallel: int,
     dtype: torch.dtype,
-    recompute: bool,
+    recompute: Recompute,
     seed: int,
     dp_group,
     sample_state: ShardedSampleState | None,
@@ -196,6 +197,9 @@ def build_pipeline(
         loss_fn=PipelineObjective(sample_state),
         partition_method="type:TowerLayer",
     )
+    layers = [p for p in compat.pipeline_pieces(module) if isinstance(p, TowerLayer)]
+    for tower in ("vision", "text"):  # each tower's layers on this stage
+        recompute.apply([p.layer for p in layers if p.tower == tower])
     head = module.head()
     if head is not None:
         head.dp_group = dp_group

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron_tempnet.models.clip.objective import CLIPOutput
 from megatron_tempnet.models.clip.sample_state import ShardedSampleState
 from megatron_tempnet.trainer.stats import MAX, MIN, SUM, Statistics, StepStats, mean_and_std
-from megatron_tempnet.trainer.step import clip_grad_norm_, compute_device
+from megatron_tempnet.trainer.step import accumulation, clip_grad_norm_, compute_device
 
 STATS = {
     "anchors": SUM,
@@ -110,7 +110,7 @@ def train_step(
     dp = dist.get_world_size(group=dp_group)
     anchors = 2 * dp * sum(int(b["index"].shape[0]) for b in batches)  # 2 B
     stats, grad_norm = ContrastiveStatistics(), None
-    for batch in batches:
+    for batch in accumulation(engine, batches):
         images, tokens, lengths, _ = unpack_batch(batch)
         state = seen = None
         if sample_state is not None:  # the host's indices: checked without waiting

@@ -26,12 +26,14 @@ from megatron_tempnet.models.clip.objective import CLIPTrainModule
 from megatron_tempnet.models.clip.sample_state import SampleStateError, ShardedSampleState
 from megatron_tempnet.models.clip.step import train_step, unpack_batch
 from megatron_tempnet.models.clip.towers import CLIPModel
+from megatron_tempnet.models.recompute import Recompute
 from megatron_tempnet.models.transformer import seed_rngs
 from megatron_tempnet.tempnet.clip import TempNetCLIP
-from megatron_tempnet.trainer.config import ConfigError, OptimizerConfig, RunConfig, validate_run
+from megatron_tempnet.trainer.config import ConfigError, RunConfig
 from megatron_tempnet.trainer.engine import model_and_own_groups
 from megatron_tempnet.trainer.step import compute_device, step_max_grad_norm
 from megatron_tempnet.trainer.task import ParamGroup, TaskData, TrainModel
+from megatron_tempnet.trainer.validation import validate_run
 from megatron_tempnet.utils.flags import option
 from megatron_tempnet.utils.logging import log_rank0
 from megatron_tempnet.utils.precision import to_training_dtype
@@ -53,18 +55,6 @@ class CLIPEvalConfig:
     """Samples per forward pass in evaluation."""
 
 
-@dataclass
-class CLIPOptimizerConfig(OptimizerConfig):
-    """The paper's Table 6: lr 2e-4, weight decay 0.02, Adam betas (0.9, 0.999)."""
-
-    lr: float = 2e-4
-    """Peak learning rate of the towers (linear warmup, then cosine decay)."""
-    weight_decay: float = 0.02
-    """AdamW weight decay of the weights (biases and norms have none)."""
-    adam_beta2: float = 0.999
-    """AdamW's beta2."""
-
-
 @dataclass(kw_only=True)
 class CLIPRunConfig(RunConfig):
     model: CLIPModelConfig
@@ -72,7 +62,6 @@ class CLIPRunConfig(RunConfig):
     data: ImageTextDataConfig
     tokenizer: TokenizerConfig
     evaluation: CLIPEvalConfig = field(default_factory=CLIPEvalConfig)
-    optimizer: CLIPOptimizerConfig = field(default_factory=CLIPOptimizerConfig)
 
 
 def validate_clip(config: CLIPRunConfig, world_size: int) -> None:
@@ -83,7 +72,18 @@ def validate_clip(config: CLIPRunConfig, world_size: int) -> None:
             f"--pipeline-model-parallel-size ({p.pipeline_model_parallel_size}) must be at most "
             f"the towers' layers (--vision-layers + --text-layers = {layers})"
         )
-    validate_run(config, world_size)
+    if t.rampup_batch_size is not None:
+        raise ConfigError(
+            "--rampup-batch-size is not built for CLIP: its epochs are cut into whole global "
+            "batches (no pair twice in a batch), which a growing batch would break"
+        )
+    validate_run(config, world_size)  # --sequence-parallel is off by now at TP 1
+    if p.sequence_parallel:
+        raise ConfigError(
+            "--sequence-parallel is built for pretrain_gpt.py only: CLIP's towers keep whole "
+            "sequences on every tensor-parallel rank (the ViT's 1 + patches tokens, the pooled "
+            "class and end-of-text tokens); drop the flag"
+        )
     contrastive = t.micro_batch_size * config.data_parallel_size(world_size)
     if contrastive < 2:
         raise ConfigError(
@@ -158,7 +158,7 @@ class CLIPTask:
         train = EpochShuffledDataset(
             pairs,
             global_batch_size=t.global_batch_size,
-            num_positions=t.train_iters * t.global_batch_size,
+            num_positions=t.train_samples_needed(),
             seed=t.seed,
         )
         rank_state = None
@@ -190,7 +190,7 @@ class CLIPTask:
             config.model,
             tensor_parallel_size=config.parallel.tensor_model_parallel_size,
             params_dtype=dtype,
-            recompute=t.recompute_activations,
+            recompute=Recompute.from_training(t),
             seed=t.seed,
         )
         seed_rngs(t.seed + clip.num_pieces)
@@ -222,7 +222,7 @@ class CLIPTask:
             tensor_parallel=p.tensor_model_parallel_size,
             pipeline_parallel=p.pipeline_model_parallel_size,
             dtype=t.params_dtype,
-            recompute=t.recompute_activations,
+            recompute=Recompute.from_training(t),
             seed=t.seed,
             dp_group=parallel_state.get_data_parallel_group(),
             sample_state=None if data.rank_state is None else data.rank_state.state,

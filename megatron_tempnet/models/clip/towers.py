@@ -23,6 +23,7 @@ from torch import nn
 
 from megatron_tempnet.models.attention import layer_spec
 from megatron_tempnet.models.clip.config import CLIPModelConfig
+from megatron_tempnet.models.recompute import Recompute
 from megatron_tempnet.models.transformer import (
     FinalNorm,
     TransformerPiece,
@@ -101,13 +102,18 @@ def piece_builders(
     *,
     tensor_parallel_size: int,
     params_dtype: torch.dtype,
-    recompute: bool,
+    recompute: Recompute | None = None,
 ) -> list[tuple[str, object]]:
     """``(name, build)`` of every piece in the order (and so with the seed ``seed + index``)
     both the one-process model and the pipeline stages build them."""
     model.validate(tensor_parallel_size)
     vision, text = model.vision_tower(), model.text_tower()
-    kw = dict(tensor_parallel_size=tensor_parallel_size, params_dtype=params_dtype)
+    selective = recompute is not None and recompute.selective
+    kw = dict(
+        tensor_parallel_size=tensor_parallel_size,
+        params_dtype=params_dtype,
+        selective_recompute=selective,
+    )
     vconfig, tconfig = transformer_config(vision, **kw), transformer_config(text, **kw)
     vspec = layer_spec("LayerNorm", model.attention_backend, causal=False)
     tspec = layer_spec("LayerNorm", model.attention_backend)
@@ -115,7 +121,7 @@ def piece_builders(
 
     def layers(prefix: str, count: int, config, spec) -> list:
         def build(i: int):
-            return lambda: TransformerPiece(config, spec, i + 1, None, recompute)
+            return lambda: TransformerPiece(config, spec, i + 1, None)
 
         return [(f"{prefix}_layer{i}", build(i)) for i in range(count)]
 
@@ -153,7 +159,7 @@ class CLIPModel(nn.Module):
         *,
         tensor_parallel_size: int = 1,
         params_dtype: torch.dtype = torch.float32,
-        recompute: bool = False,
+        recompute: Recompute | None = None,
         seed: int = 1234,
     ):
         super().__init__()
@@ -168,6 +174,9 @@ class CLIPModel(nn.Module):
             {name: build_piece(builders, name, seed, params_dtype) for name, _ in builders}
         )
         self.num_pieces = len(builders)
+        if recompute is not None:  # each tower's layers (one stage: the whole model)
+            recompute.apply([self.pieces[f"vision_layer{i}"] for i in range(model.vision_layers)])
+            recompute.apply([self.pieces[f"text_layer{i}"] for i in range(model.text_layers)])
 
     def _layers(self, prefix: str, x: torch.Tensor, layers: int) -> torch.Tensor:
         for i in range(layers):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron_tempnet.models.gpt.objective import TokenLosses, masked_mean
 from megatron_tempnet.trainer.stats import MAX, MIN, SUM, Statistics, StepStats, mean_and_std
-from megatron_tempnet.trainer.step import clip_grad_norm_, compute_device
+from megatron_tempnet.trainer.step import accumulation, clip_grad_norm_, compute_device
 
 TRAIN_STATS = {
     "tokens": SUM,
@@ -116,7 +116,7 @@ def train_step(engine, batches: list[dict], *, dp_group, max_grad_norm: float | 
     unpacked = [unpack_batch(b) for b in batches]
     num_tokens = global_token_count(unpacked, dp_group)
     stats, grad_norm = TokenStatistics(), None
-    for tokens, labels, mask, position_ids in unpacked:
+    for tokens, labels, mask, position_ids in accumulation(engine, unpacked):
         out = engine(tokens, position_ids, labels)  # TrainModule.forward: TokenLosses
         loss = masked_mean(out.loss, mask, num_tokens)
         # `loss` is already this micro-batch's share of the global mean, but DeepSpeed averages

@@ -120,17 +120,17 @@ def installed() -> bool:
 
 
 def count_iterations() -> None:
-    """Label the counter's events with the training iteration they belong to (the trainer sets
-    each iteration's learning rates first)."""
-    from megatron_tempnet.trainer import loop
+    """Label the counter's events with the training iteration they belong to (the trainer
+    begins each iteration in its schedule first)."""
+    from megatron_tempnet.trainer.schedule import TrainSchedule
 
-    original = loop.set_learning_rates
+    original = TrainSchedule.begin
 
-    def set_learning_rates(optimizer, iteration, opt):
-        COUNTER.mark(iteration + 1)
-        return original(optimizer, iteration, opt)
+    def begin(self, iteration, consumed_samples):
+        COUNTER.mark(iteration)
+        return original(self, iteration, consumed_samples)
 
-    loop.set_learning_rates = set_learning_rates
+    TrainSchedule.begin = begin
 
 
 def install_for_run(report: str) -> None:
