@@ -9,6 +9,12 @@ reads them through ``loader.ResumableLoader``.
 Before any of that, every dataset is checked against the run's tokenizer (``check_datasets``):
 the tokenizer recorded beside it (``tokenizer_sidecar``) must be the run's, and its token ids
 must lie inside the run's vocabulary (``token_range``; scanned once, cached with the indices).
+
+``--mock-data`` replaces the datasets by megatron-core's ``MockGPTDataset`` (Megatron-LM's
+meaning): 100000 synthetic documents of seeded random lengths below 4096 tokens, document ``d``
+being the ids ``1, 2, ..., len(d) - 1`` (modulo the vocabulary) then the end-of-document id. Its
+samples, split, shuffling and cache are megatron-core's, and the run reads them through the same
+loader and data position as real data.
 """
 
 from __future__ import annotations
@@ -33,9 +39,13 @@ logger = get_logger(__name__)
 class GPTDataConfig:
     """Where the training tokens come from and how samples are cut."""
 
-    data_path: list[str] = option(metavar="[WEIGHT] PREFIX")
+    data_path: list[str] | None = option(None, metavar="[WEIGHT] PREFIX")
     """Indexed dataset prefixes (tools/preprocess_data.py's output), each optionally preceded by
-    its blending weight: [w1] p1 [w2] p2 ..."""
+    its blending weight: [w1] p1 [w2] p2 ... (or --mock-data)."""
+    mock_data: bool = False
+    """Train and validate on megatron-core's synthetic token data instead of --data-path (usually
+    with --tokenizer-type NullTokenizer --vocab-size N); its documents are split evenly into
+    train, validation and test whatever --split says, as in Megatron-LM."""
     split: str = "969,30,1"
     """Train,valid,test proportions of every dataset's documents."""
     seq_length: int = 1024
@@ -54,7 +64,20 @@ class GPTDataConfig:
     """Return an explicit [1, s, s] causal mask per sample (only needed by some kernels)."""
 
 
-def parse_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
+def check_data_source(config: GPTDataConfig) -> None:
+    """Exactly one of --data-path and --mock-data."""
+    if config.mock_data and config.data_path:
+        raise DataConfigError(
+            "--mock-data and --data-path are exclusive: synthetic data or datasets, not both"
+        )
+    if not config.mock_data and not config.data_path:
+        raise DataConfigError(
+            "no training data: give --data-path [WEIGHT] PREFIX ... (tools/preprocess_data.py's "
+            "output) or --mock-data"
+        )
+
+
+def parse_blend(data_path: list[str] | None) -> tuple[list[str], list[float] | None]:
     """Split ``--data-path`` into prefixes and weights, checking every dataset on disk."""
     if not data_path:
         raise DataConfigError("--data-path is empty; give at least one dataset prefix")
@@ -97,7 +120,9 @@ def _is_number(s: str) -> bool:
 def parse_split(split: str) -> list[float]:
     """``"949,50,1"`` -> three non-negative proportions (missing ones are zero)."""
     try:
-        parts = [float(x) for x in split.replace("/", ",").split(",")]
+        # quotes kept by a launch script's word splitting ("--split '99,1,0'") are not part of
+        # the numbers, as in Megatron-LM
+        parts = [float(x) for x in split.strip("'\"").replace("/", ",").split(",")]
     except ValueError:
         raise DataConfigError(f"--split {split!r}: expected numbers such as 949,50,1") from None
     if len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
@@ -126,28 +151,33 @@ def build_gpt_datasets(
 
     ``tokenizer`` needs ``vocab_size``, ``eod``, ``identity`` and ``unique_identifiers`` (see
     ``tokenizers``); every token id must be below ``vocab_size`` (default: the tokenizer's).
-    Every dataset is checked first (``check_datasets``: on every rank, before any collective).
-    Under torch.distributed, rank 0 builds (or loads) the cached indices first and the other
-    ranks then load them (megatron-core's protocol).
+    Every dataset is checked first (``check_datasets``: on every rank, before any collective);
+    with --mock-data the datasets are megatron-core's ``MockGPTDataset``. Under
+    torch.distributed, rank 0 builds (or loads) the cached indices first and the other ranks then
+    load them (megatron-core's protocol).
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
-    prefixes, weights = parse_blend(config.data_path)
+    check_data_source(config)
     split = ",".join(f"{p:g}" for p in parse_split(config.split))
     if config.seq_length < 1:
         raise DataConfigError(f"--seq-length ({config.seq_length}) must be >= 1")
-    _check_split_documents(prefixes, config.split)
     if config.data_cache_path:
         os.makedirs(config.data_cache_path, exist_ok=True)
-    vocab = tokenizer.vocab_size if vocab_size is None else vocab_size
-    check_datasets(prefixes, tokenizer.identity, vocab, config.data_cache_path)
+    blend, dataset_class = None, MockGPTDataset  # megatron-core: no blend means mock data
+    if not config.mock_data:
+        prefixes, weights = parse_blend(config.data_path)
+        _check_split_documents(prefixes, config.split)
+        vocab = tokenizer.vocab_size if vocab_size is None else vocab_size
+        check_datasets(prefixes, tokenizer.identity, vocab, config.data_cache_path)
+        blend, dataset_class = (prefixes, weights), GPTDataset
     gpt_config = GPTDatasetConfig(
         random_seed=config.seed,
         sequence_length=config.seq_length,
-        blend=(prefixes, weights),
+        blend=blend,
         split=split,
         path_to_cache=config.data_cache_path,
         tokenizer=tokenizer,
@@ -156,7 +186,7 @@ def build_gpt_datasets(
         eod_mask_loss=config.eod_mask_loss,
         create_attention_mask=config.create_attention_mask,
     )
-    builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gpt_config)
+    builder = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, gpt_config)
     with _process_group_for_builder():
         return builder.build()
 

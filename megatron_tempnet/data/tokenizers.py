@@ -1,4 +1,5 @@
-"""Tokenizers for preprocessing and training: SentencePiece, GPT-2 byte-level BPE, Hugging Face.
+"""Tokenizers for preprocessing and training: SentencePiece, GPT-2 byte-level BPE, Hugging Face,
+and Megatron-LM's NullTokenizer (the ids are the text).
 
 Every tokenizer exposes the same small surface: ``tokenize``/``tokenize_batch`` (text -> ids),
 ``detokenize`` (ids -> text), ``vocab_size`` (number of ids, special tokens included) and ``eod``
@@ -21,7 +22,14 @@ from dataclasses import dataclass
 from megatron_tempnet.utils.cli import UserError
 from megatron_tempnet.utils.flags import option
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
+TOKENIZER_TYPES = (
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+)
 GPT2_EOD_TOKEN = "<|endoftext|>"
 
 
@@ -34,10 +42,15 @@ class TokenizerConfig:
     """Which tokenizer, from which files (Megatron-LM's flags)."""
 
     tokenizer_type: str = option(choices=TOKENIZER_TYPES)
-    """The tokenizer's kind: SentencePiece (LLaMA-2), GPT-2 byte-level BPE, or a local Hugging
-    Face tokenizer directory."""
+    """The tokenizer's kind: a SentencePiece model (SentencePieceTokenizer and
+    GPTSentencePieceTokenizer: no BOS, end of document = its EOS; Llama2Tokenizer: a BOS before
+    every text), GPT-2 byte-level BPE, a local Hugging Face tokenizer directory, or
+    NullTokenizer (the text is the ids, separated by spaces; needs --vocab-size)."""
     tokenizer_model: str | None = None
     """SentencePiece .model file, or a Hugging Face tokenizer directory."""
+    vocab_size: int | None = None
+    """NullTokenizer's vocabulary: ids 0 ... N-1, and N is the end of document (N + 1 ids, as in
+    Megatron-LM). With another tokenizer, if given, it must be that tokenizer's size."""
     vocab_file: str | None = None
     """GPT-2 vocab.json."""
     merge_file: str | None = None
@@ -147,6 +160,37 @@ class SentencePieceTokenizer(_Tokenizer):
         return self._sp.decode([int(i) for i in ids])
 
 
+class GPTSentencePieceTokenizer(SentencePieceTokenizer):
+    """Megatron-LM's name for a SentencePiece model read as this project's
+    ``SentencePieceTokenizer`` reads it: the model's ids, nothing added; end of document = EOS."""
+
+    @property
+    def identity(self) -> TokenizerIdentity:  # the same ids as SentencePieceTokenizer's
+        return TokenizerIdentity("SentencePieceTokenizer", self.vocab_size, self.files_sha256)
+
+
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """LLaMA-2's SentencePiece model as Megatron-LM reads it: every text starts with the BOS id
+    (a document in preprocessing, a prompt in generation); end of document = EOS. The ids mean
+    what ``SentencePieceTokenizer``'s mean (same identity)."""
+
+    def __init__(self, model_file: str):
+        super().__init__(model_file)
+        self.bos = int(self._sp.bos_id())
+        if self.bos < 0:
+            raise TokenizerError(
+                f"--tokenizer-type Llama2Tokenizer: --tokenizer-model {model_file!r} has no BOS "
+                "piece: use GPTSentencePieceTokenizer (no BOS)"
+            )
+
+    @property
+    def identity(self) -> TokenizerIdentity:
+        return TokenizerIdentity("SentencePieceTokenizer", self.vocab_size, self.files_sha256)
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [[self.bos, *ids] for ids in super().tokenize_batch(texts)]
+
+
 class GPT2BPETokenizer(_Tokenizer):
     """GPT-2's byte-level BPE from ``vocab.json`` + ``merges.txt``; end of document = <|endoftext|>.
 
@@ -220,18 +264,81 @@ class HuggingFaceTokenizer(_Tokenizer):
         return self._tok.decode([int(i) for i in ids])
 
 
+class NullTokenizer(_Tokenizer):
+    """Megatron-LM's tokenizer of data that is already ids (``--mock-data``, benchmarks): a text
+    is its ids separated by spaces. ``--vocab-size N``: ids 0 ... N-1, end of document N, so
+    ``vocab_size`` is N + 1. It reads no file."""
+
+    _digest_key = "files_sha256"
+
+    def __init__(self, vocab_size: int):
+        if vocab_size < 1:
+            raise TokenizerError(f"--vocab-size ({vocab_size}) must be >= 1 for NullTokenizer")
+        self.vocab_size = int(vocab_size) + 1
+        self.eod = int(vocab_size)
+        self._read_files()
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        out = []
+        for text in texts:
+            try:
+                ids = [int(x) for x in text.split()]
+            except ValueError:
+                raise TokenizerError(
+                    f"NullTokenizer reads ids separated by spaces, got {text[:40]!r}"
+                ) from None
+            bad = [i for i in ids if not 0 <= i < self.vocab_size]
+            if bad:
+                raise TokenizerError(
+                    f"NullTokenizer: id {bad[0]} outside [0, {self.vocab_size}) (--vocab-size "
+                    f"{self.eod})"
+                )
+            out.append(ids)
+        return out
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+_SENTENCEPIECE = {
+    "SentencePieceTokenizer": SentencePieceTokenizer,
+    "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
+    "Llama2Tokenizer": Llama2Tokenizer,
+}
+
+
 def build_tokenizer(
     tokenizer_type: str,
     *,
     tokenizer_model: str | None = None,
     vocab_file: str | None = None,
     merge_file: str | None = None,
+    vocab_size: int | None = None,
 ) -> _Tokenizer:
-    """Build a tokenizer from Megatron-LM's flags (``--tokenizer-type`` and its files)."""
-    if tokenizer_type == "SentencePieceTokenizer":
-        return SentencePieceTokenizer(
-            _require_file(tokenizer_model, "--tokenizer-model", tokenizer_type)
+    """Build a tokenizer from Megatron-LM's flags (``--tokenizer-type`` and its files,
+    ``--vocab-size``)."""
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None:
+            raise TokenizerError("--tokenizer-type NullTokenizer needs --vocab-size")
+        return NullTokenizer(vocab_size)
+    tokenizer = _build_from_files(tokenizer_type, tokenizer_model, vocab_file, merge_file)
+    if vocab_size is not None and vocab_size != tokenizer.vocab_size:
+        raise TokenizerError(
+            f"--vocab-size {vocab_size}: --tokenizer-type {tokenizer_type} has "
+            f"{tokenizer.vocab_size} ids; leave --vocab-size out (only NullTokenizer needs it)"
         )
+    return tokenizer
+
+
+def _build_from_files(
+    tokenizer_type: str,
+    tokenizer_model: str | None,
+    vocab_file: str | None,
+    merge_file: str | None,
+) -> _Tokenizer:
+    if tokenizer_type in _SENTENCEPIECE:
+        model = _require_file(tokenizer_model, "--tokenizer-model", tokenizer_type)
+        return _SENTENCEPIECE[tokenizer_type](model)
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(
             _require_file(vocab_file, "--vocab-file", tokenizer_type),

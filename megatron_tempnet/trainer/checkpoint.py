@@ -61,6 +61,7 @@ from megatron_tempnet.trainer.resharding import (
 )
 from megatron_tempnet.utils.logging import log_rank0
 
+_REQUIRED = ", and --exit-on-missing-checkpoint stops the run instead of starting from scratch"
 _FROZEN_NOTE = (
     "This checkpoint holds the trained parameters only: the frozen ones are read again from the "
     "run's --pretrained-checkpoint on every resume.\n"
@@ -255,6 +256,8 @@ def load_checkpoint(
     weights_reader: Callable | None = None,
     global_batch_size: int | None = None,
     fallback: bool = False,
+    load_rng: bool = True,
+    require: bool = False,
 ) -> dict | None:
     """Restore the newest checkpoint; returns its client state (None: nothing to resume).
 
@@ -274,19 +277,24 @@ def load_checkpoint(
     The checkpoint's files are checked against its ``COMPLETE`` record first (the ranks share
     the reading); ``fallback`` (--load-fallback) loads the newest older valid one when the newest
     fails, otherwise the error names the damaged file.
+
+    ``load_rng`` False (--no-load-rng): the RNG states stay as the run's seeds made them.
+    ``require`` (--exit-on-missing-checkpoint): no checkpoint is an error, not a fresh start.
     """
     source = f"{flag or ('--finetune --load' if weights_only else '--load')} {load_dir}"
     optional = optional or {}
     if not os.path.isdir(load_dir):
-        if weights_only:
-            raise CheckpointError(f"{source}: no such directory")
+        if weights_only or require:
+            raise CheckpointError(f"{source}: no such directory" + _REQUIRED * require)
         log_rank0("no checkpoint in %s: starting from scratch", load_dir)
         return None
     check = functools.partial(_check_on_every_rank, source=source)
     tag = choose_checkpoint(load_dir, source, fallback=fallback, check=check)
     if tag is None:
-        if weights_only:
-            raise CheckpointError(f"{source}: no checkpoint there (no 'latest')")
+        if weights_only or require:
+            raise CheckpointError(
+                f"{source}: no checkpoint there (no 'latest')" + _REQUIRED * require
+            )
         log_rank0("no checkpoint in %s: starting from scratch", load_dir)
         return None
     directory = os.path.join(load_dir, tag)
@@ -349,7 +357,10 @@ def load_checkpoint(
     rng_file = _rank_file(directory, dist.get_rank())
     if os.path.isfile(rng_file):
         rank_file = load_file(rng_file)
-        _set_rng_state(rank_file)
+        if load_rng:
+            _set_rng_state(rank_file)
+        else:
+            log_rank0("--no-load-rng: the RNG streams start from the run's seeds")
         client_state["rank_state"] = rank_file.get("rank_state")
     log_rank0("resumed from %s at iteration %d", path, client_state["iteration"])
     return client_state

@@ -2,14 +2,14 @@
 
 The task's module is one ``nn.Module`` (or a pipeline stage) that DeepSpeed wraps, so ZeRO shards
 and checkpoints all of it. The optimizer is AdamW over the task's parameter groups, each with its
-own peak learning rate, floor and weight decay; every group follows linear warmup then cosine
-decay, scaled to its own peak. The engine knows nothing of what the model is.
+own peak learning rate, floor and weight decay; every group follows the run's schedule
+(``trainer.schedule``), scaled to its own peak. The engine knows nothing of what the model is.
 """
 
 from __future__ import annotations
 
 import json
-import math
+from datetime import timedelta
 from types import SimpleNamespace
 
 import torch
@@ -18,27 +18,34 @@ import torch.distributed as dist
 from megatron_tempnet import compat
 from megatron_tempnet.distributed.launch import bind_device
 from megatron_tempnet.distributed.mpu import MegatronMPU
+from megatron_tempnet.trainer import communication
 from megatron_tempnet.trainer.config import ConfigError, OptimizerConfig, RunConfig
 from megatron_tempnet.trainer.file_io import FileWriter, load_file
 from megatron_tempnet.trainer.step import deepspeed_clips_grad_norm
 from megatron_tempnet.trainer.task import ParamGroup, TrainModel
+from megatron_tempnet.utils.logging import log_rank0
 from megatron_tempnet.utils.precision import is_float32_island
 
 
 def init_process_groups(config: RunConfig) -> None:
-    """torch.distributed (gloo on CPU, NCCL on GPU) and megatron-core's TP/PP/DP groups."""
+    """torch.distributed (gloo on CPU, NCCL on GPU) and megatron-core's TP/PP/DP groups, all with
+    --distributed-timeout-minutes (a process group that exists already keeps its own)."""
     import deepspeed
     from megatron.core import parallel_state
 
     compat.check_upstream()
     compat.apply_cpu_support()
     bind_device()  # before NCCL's first use
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     p = config.parallel
+    if not dist.is_initialized():
+        deepspeed.init_distributed(
+            dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+            timeout=timedelta(minutes=p.distributed_timeout_minutes),
+        )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        distributed_timeout_minutes=p.distributed_timeout_minutes,
     )
 
 
@@ -92,6 +99,7 @@ def deepspeed_config(config: RunConfig, world_size: int) -> dict:
             ) from None
     t = config.training
     zero = dict(base.get("zero_optimization", {}), stage=config.parallel.zero_stage)
+    zero = communication.zero_overlap(config, zero)
     deepspeed_clips = deepspeed_clips_grad_norm(config)
     base.update(
         train_micro_batch_size_per_gpu=t.micro_batch_size,
@@ -107,11 +115,28 @@ def deepspeed_config(config: RunConfig, world_size: int) -> dict:
     base.setdefault("timers", {"throughput": {"enabled": False}})
     if t.bf16:
         base["bf16"] = {"enabled": True}
+        precision = communication.precision_entries(config)
+        base["data_types"] = {**base.get("data_types", {}), **precision.pop("data_types")}
+        base.update(precision)
     if t.fp16:
         if not torch.cuda.is_available():
             raise ConfigError("--fp16 needs a GPU (DeepSpeed has no fp16 on CPU): use --bf16")
         base["fp16"] = dict(base.get("fp16", {}), enabled=True)
     return base
+
+
+def _log_communication(config: RunConfig, ds_config: dict) -> None:
+    """One start-up line per communication flag this run sets (and the gradients' dtype under
+    --bf16, which Megatron-LM's default makes float32): what it maps to here."""
+    p, t = config.parallel, config.training
+    given = {
+        "--overlap-grad-reduce": p.overlap_grad_reduce,
+        "--overlap-param-gather": p.overlap_param_gather,
+        "--grad-reduce-in-bf16": t.bf16,
+    }
+    for flag, phrase in communication.describe(config, ds_config).items():
+        if given[flag]:
+            log_rank0("%s: %s", flag, phrase)
 
 
 def build_optimizer(groups: list[ParamGroup], opt: OptimizerConfig) -> torch.optim.AdamW:
@@ -164,6 +189,7 @@ def build_engine(model: TrainModel, config: RunConfig, world_size: int):
 
     optimizer = build_optimizer(model.param_groups, config.optimizer)
     ds_config = {**deepspeed_config(config, world_size), **model.engine_config}
+    _log_communication(config, ds_config)
     module = model.module
     pipeline = isinstance(module, PipelineModule)
     forward_only = pipeline and getattr(module, "forward_only", False)
@@ -183,33 +209,3 @@ def build_engine(model: TrainModel, config: RunConfig, world_size: int):
         config_class=DeepSpeedConfig(ds_config, mpu),
     )
     return engine, engine.optimizer
-
-
-def learning_rate(iteration: int, max_lr: float, min_lr: float, opt: OptimizerConfig) -> float:
-    """Linear warmup then cosine decay to ``min_lr`` over ``lr_decay_iters`` (then flat)."""
-    decay = opt.lr_decay_iters
-    warmup = (
-        round(opt.lr_warmup_fraction * decay)
-        if opt.lr_warmup_fraction is not None
-        else opt.lr_warmup_iters
-    )
-    if warmup and iteration < warmup:
-        return max_lr * (iteration + 1) / warmup
-    if iteration >= decay:
-        return min_lr
-    progress = (iteration - warmup) / max(decay - warmup, 1)
-    return min_lr + 0.5 * (max_lr - min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def set_learning_rates(optimizer, iteration: int, opt: OptimizerConfig) -> dict[str, float]:
-    """Set every group's lr for ``iteration`` (0-based); returns one lr per schedule: the first
-    group's as ``lr``, every other schedule's as ``{schedule}_lr`` (``tempnet_lr``)."""
-    rates: dict[str, float] = {}
-    first = None
-    for group in optimizer.param_groups:
-        group["lr"] = learning_rate(iteration, group["max_lr"], group["min_lr"], opt)
-        # checkpoints written before groups had a schedule name them by the group
-        schedule = group.get("schedule") or group.get("name", "").removesuffix("_no_decay")
-        first = first or schedule
-        rates.setdefault("lr" if schedule == first else f"{schedule}_lr", group["lr"])
-    return rates

@@ -92,6 +92,9 @@ class TrainModel:
     """``reader(checkpoint_directory)``: the module files' full tensors under the layout-free
     names (``tensor_parallel``, ``pipeline``, ``names()``, ``in``, ``full(name)``,
     ``has(name, key)``), for weights-only loads of conversions made at another layout."""
+    flops_per_sample: float | None = None
+    """Training FLOPs of one sample, forward and backward, over the whole model
+    (--log-throughput); None: the task has no count."""
 
 
 StepFunction = Callable[[list[dict]], StepStats]

@@ -6,10 +6,11 @@ configuration (``models/gpt/memory.py``, what tools/estimate_memory.py prints); 
 shape: the kernels that ran. The checks add their results here (``TRAINING``, ``ATTENTION``);
 conftest.py prints the tables at the end of the session and writes them as markdown.
 
-Model FLOPs per token follow Megatron-LM's count: 6 x the parameters in matrix products (every
-layer's, the output layer's over the padded vocabulary, TempNet's W1 and W2) plus the attention's
-12 x layers x sequence x hidden. The utilisation of a bf16 run divides the achieved rate by the
-device's dense bf16 peak (``PEAK_BF16_TFLOPS``) times the GPUs of the run.
+Model FLOPs per token are the training log's (--log-throughput): Megatron-LM's count of a GPT,
+``models.gpt.flops.flops_per_token`` (6 x the weights in matrix products, TempNet's W1 and W2
+included, plus the causal attention's 6 x layers x sequence x heads x head size). The
+utilisation of a bf16 run divides the achieved rate by the device's dense bf16 peak
+(``PEAK_BF16_TFLOPS``) times the GPUs of the run.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+
+from megatron_tempnet.models.gpt.flops import flops_per_token
 
 PEAK_BF16_TFLOPS = (
     ("H100 PCIe", 756.0),
@@ -36,29 +39,6 @@ def peak_tflops(device: str) -> float | None:
         if name.lower() in device.lower():
             return peak
     return None
-
-
-def matmul_params(model, tempnet: tuple[int, int] | None) -> int:
-    """Weights in matrix products per token, on one model replica: every layer's QKV, output
-    projection and MLP, the output layer (padded vocabulary, TP 1) and TempNet's W1 (``d1`` x the
-    true vocabulary) and W2 (``d2 x d1``); ``tempnet``: (d1, d2), None without TempNet."""
-    h, heads = model.hidden_size, model.num_attention_heads
-    head_dim = h // heads
-    groups = model.num_query_groups or heads
-    ffn = model.ffn_hidden_size or 4 * h
-    up = 2 * ffn if model.swiglu else ffn
-    layer = h * (heads + 2 * groups) * head_dim + heads * head_dim * h + h * up + ffn * h
-    total = model.num_layers * layer + model.padded_vocab_size(1) * h
-    if tempnet is not None:
-        d1, d2 = tempnet
-        total += d1 * model.vocab_size + d2 * d1
-    return total
-
-
-def flops_per_token(model, tempnet: tuple[int, int] | None) -> float:
-    """Training FLOPs per token (forward and backward): ``6 P + 12 L s h``."""
-    attention = 12 * model.num_layers * model.seq_length * model.hidden_size
-    return 6.0 * matmul_params(model, tempnet) + attention
 
 
 @dataclass
@@ -149,7 +129,9 @@ def gpt_run(
     layout = Layout(
         **batch,
         freeze_lm=t["freeze_lm"],
-        recompute_activations=t["recompute_activations"],
+        recompute_granularity=t["recompute_granularity"],
+        recompute_method=t["recompute_method"],
+        recompute_num_layers=t["recompute_num_layers"],
         tempnet=tempnet,
         tempnet_hidden_size=loss["tempnet_hidden_size"],
         tempnet_proj_size=loss["tempnet_proj_size"],
@@ -163,7 +145,9 @@ def gpt_run(
     peak = peak_tflops(device)
     mfu = None
     if peak is not None and t["bf16"]:  # against the bf16 peak: bf16 runs only
-        mfu = flops_per_token(model, shape) * rate / (world_size * peak * 1e12)
+        tp = config["parallel"]["tensor_model_parallel_size"]
+        flops = flops_per_token(model, shape, tp, frozen_lm=t["freeze_lm"])
+        mfu = flops * rate / (world_size * peak * 1e12)
     batch = f"{gbs} x {model.seq_length} tokens/iteration"
     return TrainingRun(
         name,

@@ -1,0 +1,133 @@
+"""--use-checkpoint-args: the model's architecture from the checkpoint in --load (Megatron-LM's
+meaning), read from the run config saved with every checkpoint.
+
+Megatron-LM's rule, in this project's fields:
+
+- ``SHAPE``: the sizes (layers, hidden size, MLP size, attention heads, sequence length, position
+  range). The checkpoint's values fill the flags the command line does not give; a given flag
+  stands (a longer --seq-length for a finetune, say).
+- ``STRUCTURE``: what makes the weights fit at all (query groups, positions and RoPE, norm and
+  its epsilon, biases, activation, tied embeddings, the vocabulary and its padding). Always the
+  checkpoint's.
+
+The config is the checkpoint's own (``portable/index.json``, or the DeepSpeed ``mp_rank_00``
+file of a checkpoint without a portable copy), taken from the newest complete checkpoint that
+``latest`` names. Without a checkpoint in --load the command line's architecture is used and a
+line says so (Megatron-LM's rule), unless --exit-on-missing-checkpoint makes it an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from megatron_tempnet.models.gpt.config import ModelConfig
+from megatron_tempnet.trainer.checkpoint_format import CheckpointError, is_complete, latest_tag
+from megatron_tempnet.trainer.file_io import load_file
+from megatron_tempnet.trainer.portable import DIRECTORY, INDEX
+
+SHAPE = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "seq_length",
+    "max_position_embeddings",
+)
+"""Sizes: the checkpoint's where the command line gives none."""
+
+STRUCTURE = (
+    "num_query_groups",
+    "position_embedding_type",
+    "rotary_base",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "rope_scaling_low_freq_factor",
+    "rope_scaling_high_freq_factor",
+    "rope_scaling_original_max_position_embeddings",
+    "normalization",
+    "norm_epsilon",
+    "apply_layernorm_1p",
+    "add_bias_linear",
+    "swiglu",
+    "openai_gelu",
+    "quick_gelu",
+    "untie_embeddings_and_output_weights",
+    "vocab_size",
+    "make_vocab_size_divisible_by",
+    "hf_model_type",
+)
+"""What the weights' shapes and meaning depend on: always the checkpoint's."""
+
+
+def saved_run_config(load_dir: str) -> tuple[str, dict] | None:
+    """(tag, run config) of the newest checkpoint in ``load_dir``; None when it holds none."""
+    tag = latest_tag(load_dir) if os.path.isdir(load_dir) else None
+    if tag is None:
+        return None
+    directory = os.path.join(load_dir, tag)
+    if not is_complete(directory):
+        raise CheckpointError(f"--load {load_dir}: {tag}, which 'latest' names, is incomplete")
+    index = os.path.join(directory, DIRECTORY, INDEX)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                config = json.load(f).get("config")
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"--load {load_dir}: {index} cannot be read ({e})") from None
+    else:
+        states = os.path.join(directory, "mp_rank_00_model_states.pt")
+        if not os.path.isfile(states):
+            raise CheckpointError(f"--load {load_dir}: {tag} has neither {index} nor {states}")
+        config = load_file(states, mmap=True).get("config")
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise CheckpointError(
+            f"--load {load_dir}: {tag} carries no model config: --use-checkpoint-args cannot read "
+            "its architecture; give the architecture flags instead"
+        )
+    return tag, config
+
+
+def model_args_from_checkpoint(
+    load_dir: str, given: dict, *, require: bool = False
+) -> tuple[dict, list[str]]:
+    """The model's field values for --use-checkpoint-args and the start-up lines saying where
+    they come from.
+
+    ``given``: the command line's ``ModelConfig`` values by field name, None for a flag not
+    given (``flags.flag_values``). Returns ``given`` with the checkpoint's ``SHAPE`` values
+    where it has None and its ``STRUCTURE`` values everywhere (fields the saved config lacks are
+    left as given). ``require`` (--exit-on-missing-checkpoint): no checkpoint is an error.
+    """
+    saved = saved_run_config(load_dir)
+    if saved is None:
+        if require:
+            raise CheckpointError(
+                f"--load {load_dir}: no checkpoint there (no 'latest') to read the architecture "
+                "from, and --exit-on-missing-checkpoint stops the run"
+            )
+        return dict(given), [
+            f"--use-checkpoint-args: no checkpoint in --load {load_dir}: the architecture is "
+            "the command line's"
+        ]
+    tag, config = saved
+    model = config["model"]
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    out, lines = dict(given), []
+    for name in (*SHAPE, *STRUCTURE):
+        if name not in model or name not in known:
+            continue
+        if name in SHAPE and given.get(name) is not None:
+            if given[name] != model[name]:
+                lines.append(
+                    f"{_flag(name)} {given[name]}: the command line's (checkpoint: {model[name]})"
+                )
+            continue
+        out[name] = model[name]
+    lines.insert(0, f"--use-checkpoint-args: the architecture of {os.path.join(load_dir, tag)}")
+    return out, lines
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
