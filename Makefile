@@ -4,6 +4,7 @@
 #                  (examples/quickstart.py)
 # make install     only create/refresh .venv
 # make lint     ruff check + format check
+# make docs     regenerate docs/megatron_flags.md (the "from Megatron-LM" flag table)
 # make bench    loss benchmark (prints a table)
 # make bench-data  preprocessing throughput and memory on a generated 200 MB .jsonl.zst
 # make bench-step  training step: fused vs unfused attention, DRO + TempNet vs CE, the planner
@@ -22,7 +23,7 @@ STAMP := $(VENV)/.installed
 GPU_PYTHON ?= $(BIN)/python
 GPU_REPORT ?= runs/gpu-check.md
 
-.PHONY: test install lint format bench bench-data bench-step bench-stage quickstart clean gpu-check
+.PHONY: test install lint format docs bench bench-data bench-step bench-stage quickstart clean gpu-check
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -45,6 +46,9 @@ $(STAMP): pyproject.toml constraints.txt
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+docs: $(STAMP)
+	$(BIN)/python -m megatron_tempnet.models.gpt.flag_table > docs/megatron_flags.md
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

@@ -159,6 +159,7 @@ def main() -> int:
     common += ["--data-path", out("corpus_text_document"), "--split", "100,0,0", *tokenizer]
     common += ["--data-cache-path", out("cache"), "--micro-batch-size", "8"]
     common += ["--global-batch-size", "8", "--lr-warmup-iters", "10", "--eval-iters", "0"]
+    common += ["--lr-decay-style", "cosine", "--weight-decay", "0.1", "--adam-beta2", "0.95"]
     for stale in ("lm", "tempnet", "tensorboard"):  # a rerun starts fresh runs and curves
         shutil.rmtree(out(stale), ignore_errors=True)
         if os.path.exists(out(f"{stale}.metrics.jsonl")):

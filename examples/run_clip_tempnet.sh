@@ -21,7 +21,8 @@
 #                   TOKENIZER_TYPE=SentencePieceTokenizer, a .model file)
 #   RUN_DIR         [runs/clip_tempnet]   CLIP_LOSS [tempnet]  CAPTION_NOISE [0]
 #   MODEL [vit-b-16]  EMBED_DIM [256]  TP [1]  ZERO [1]  GLOBAL_BATCH [512]
-#   TRAIN_ITERS [169500: 30 epochs of ~2.83M CC3M pairs at 512]  RHO [8]  TEMPNET_LR [1e-4]
+#   TRAIN_ITERS [169500: 30 epochs of ~2.83M CC3M pairs at 512]  WARMUP_ITERS [1000]  RHO [8]
+#   TEMPNET_LR [1e-4]
 #   EXTRA_ARGS [more flags]
 #
 #SBATCH --job-name=clip-tempnet
@@ -61,7 +62,8 @@ FLAGS=(
     --tempnet-lr "${TEMPNET_LR:-1e-4}"
     --train-iters "${TRAIN_ITERS:-169500}" --global-batch-size "$GLOBAL_BATCH"
     --micro-batch-size $((GLOBAL_BATCH / DP))
-    --lr 2e-4 --min-lr 0 --lr-warmup-iters 1000 --weight-decay 0.02
+    --lr 2e-4 --lr-decay-style cosine --min-lr 0 --lr-warmup-iters "${WARMUP_ITERS:-1000}"
+    --weight-decay 0.02
     --adam-beta1 0.9 --adam-beta2 0.999 --adam-eps 1e-8 --clip-grad 1.0
     --eval-interval 5650 --eval-batch-size 256
 )

@@ -51,7 +51,7 @@ FLAGS=(
     --tempnet-hidden-size 256 --tempnet-proj-size 256
     --train-iters "${TRAIN_ITERS:-50000}" --global-batch-size "${GLOBAL_BATCH:-32}"
     --micro-batch-size "${MICRO_BATCH:-4}"
-    --lr 1e-4 --min-lr 0 --lr-warmup-fraction 0.01 --weight-decay 0.1
+    --lr 1e-4 --lr-decay-style cosine --min-lr 0 --lr-warmup-fraction 0.01 --weight-decay 0.1
     --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0
     --eval-interval 1000 --eval-iters 10
 )

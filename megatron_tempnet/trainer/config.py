@@ -2,30 +2,28 @@
 
 One dataclass per concern; each field is also its command-line flag (Megatron-LM's name) and its
 docstring the flag's help (``utils.flags``). A model family's run config (``GPTRunConfig``,
-``CLIPRunConfig``) adds its model, objective and data configs to ``RunConfig``. Defaults follow
-the paper's Table 5 (AdamW betas 0.9/0.95, eps 1e-8, weight decay 0.1, 1% warmup, cosine decay).
-Everything is checked once, before any model is built (``validate_run`` here, then the family's
-own checks).
+``CLIPRunConfig``) adds its model, objective and data configs to ``RunConfig``. Defaults are
+Megatron-LM's (AdamW betas 0.9/0.999, eps 1e-8, weight decay 0.01, gradient clipping at 1.0, no
+warm-up, linear decay; no default learning rate). Everything is checked once, before any model is
+built (``trainer.validation.validate_run``, then the family's own checks).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from dataclasses import dataclass, field
 
 import torch
 
-from megatron_tempnet.utils.cli import UserError
+# the error every config check raises, importable from here as before
+from megatron_tempnet.trainer.errors import ConfigError as ConfigError
+from megatron_tempnet.trainer.schedule import (
+    LR_DECAY_STYLES,
+    WSD_DECAY_STYLES,
+    BatchSchedule,
+)
 from megatron_tempnet.utils.flags import option
-
-DEFAULT_WARMUP_FRACTION = 0.01
-"""Warmup as a fraction of the decay when neither warmup flag is given (the paper's Table 5)."""
-
-
-class ConfigError(UserError, ValueError):
-    """Flags that cannot work together; the message names them, their values and the fix."""
 
 
 @dataclass
@@ -36,28 +34,73 @@ class ParallelConfig:
     """Pipeline stages (DeepSpeed's pipeline engine); the layers are divided evenly."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage over the data-parallel ranks (0-1 with pipeline parallelism)."""
-    deepspeed_config: str | None = None
-    """A DeepSpeed JSON file as the base of the engine's config; the flags given here win."""
+    deepspeed_config: str | None = option(None, aliases=("--deepspeed_config",))
+    """A DeepSpeed JSON file as the base of the engine's config; the flags given here win
+    (also spelled --deepspeed_config, Megatron-DeepSpeed's)."""
+    overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduction with the backward pass: DeepSpeed's
+    zero_optimization.overlap_comm at ZeRO 1-3 (without this flag it is off unless
+    --deepspeed-config sets it; no effect at ZeRO 0 or with pipeline parallelism, where DeepSpeed
+    reduces after the backward pass)."""
+    overlap_param_gather: bool = False
+    """Overlap the all-gather of the sharded parameters with the forward pass (needs
+    --overlap-grad-reduce and a sharded optimizer, --zero-stage >= 1): ZeRO-3's parameter
+    prefetch (without this flag its stage3_prefetch_bucket_size is 0 unless --deepspeed-config
+    sets it); no effect at ZeRO 1-2, whose optimizer step gathers the updated parameters."""
+    distributed_timeout_minutes: int = 10
+    """Timeout of torch.distributed's collectives: the default process group's and
+    megatron-core's tensor-, pipeline- and data-parallel groups' (DeepSpeed's own pipeline groups
+    keep torch's default)."""
+    sequence_parallel: bool = False
+    """The layers' norm, dropout and residual regions run on sequence shards over the
+    tensor-parallel ranks, [s/tp, b, h]: all-gather before the column-parallel linears,
+    reduce-scatter after the row-parallel ones (activation memory of those regions / TP; the
+    same model and numbers). Off at TP 1."""
+
+
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
 
 
 @dataclass
 class OptimizerConfig:
-    lr: float = 6e-4
-    """Peak learning rate of the model (linear warmup, then cosine decay)."""
+    """AdamW and the learning-rate schedule (Megatron-LM's flags; the schedule counts samples,
+    ``trainer.schedule``)."""
+
+    lr: float | None = None
+    """Peak learning rate (required: Megatron-LM has no default); reached after the warm-up,
+    then decayed by --lr-decay-style."""
     min_lr: float = 0.0
-    """Floor of the cosine decay."""
+    """Floor of the decay; the learning rate after the decay ends."""
+    lr_decay_style: str = option("linear", choices=LR_DECAY_STYLES)
+    """How the learning rate falls from --lr to --min-lr after the warm-up: constant (stays at
+    --lr), linear, cosine, inverse-square-root (--lr x sqrt(warm-up / samples)) or WSD (warm-up,
+    stable, decay: --lr until the last --lr-wsd-decay-iters/-samples of the decay)."""
+    lr_wsd_decay_style: str = option("exponential", choices=WSD_DECAY_STYLES)
+    """The shape of WSD's final decay."""
+    lr_wsd_decay_iters: int | None = None
+    """Iterations of WSD's final decay (with --train-iters)."""
+    lr_wsd_decay_samples: int | None = None
+    """Samples of WSD's final decay (with --train-samples)."""
+    lr_warmup_init: float = 0.0
+    """Learning rate at the start of the linear warm-up."""
     lr_warmup_fraction: float | None = None
-    """Warmup as a fraction of --lr-decay-iters (default: 0.01, the paper's, unless
-    --lr-warmup-iters is given)."""
+    """Warm-up as a fraction of the decay length (instead of --lr-warmup-iters/-samples)."""
     lr_warmup_iters: int = 0
-    """Warmup iterations (used when --lr-warmup-fraction is not given)."""
+    """Warm-up iterations (with --train-iters)."""
+    lr_warmup_samples: int = 0
+    """Warm-up samples (with --train-samples)."""
     lr_decay_iters: int | None = None
-    """Length of the cosine decay (default: --train-iters)."""
-    weight_decay: float = 0.1
+    """Iterations over which the learning rate decays, warm-up included (default:
+    --train-iters); --min-lr after them."""
+    lr_decay_samples: int | None = None
+    """Samples over which the learning rate decays, warm-up included (default:
+    --train-samples; with --train-samples only)."""
+    weight_decay: float = 0.01
     """AdamW weight decay of the weights (biases and norms have none)."""
     adam_beta1: float = 0.9
     """AdamW's beta1."""
-    adam_beta2: float = 0.95
+    adam_beta2: float = 0.999
     """AdamW's beta2."""
     adam_eps: float = 1e-8
     """AdamW's epsilon."""
@@ -67,16 +110,23 @@ class OptimizerConfig:
 
 @dataclass
 class TrainingConfig:
-    train_iters: int
-    """Iterations (optimizer steps) of the run."""
+    train_iters: int | None = None
+    """Iterations (optimizer steps) of the run; or give --train-samples."""
+    train_samples: int | None = None
+    """The run's length in samples instead of iterations (the schedule's flags are then the
+    --lr-*-samples ones)."""
     micro_batch_size: int = 1
     """Samples per data-parallel rank per forward pass."""
     global_batch_size: int | None = None
     """Samples per iteration (default: micro batch x data-parallel size); the number of
     accumulated micro-batches follows."""
-    eval_interval: int = 1000
-    """Iterations between validation runs (0 = never)."""
-    eval_iters: int = 10
+    rampup_batch_size: tuple[int, ...] | None = option(None, metavar="N")
+    """START INCREMENT SAMPLES: the global batch grows from START by INCREMENT up to
+    --global-batch-size, evenly over the first SAMPLES samples (the micro-batch size stays, the
+    number of micro-batches grows)."""
+    eval_interval: int = 0
+    """Iterations between validation runs (0 = never, Megatron-LM's default)."""
+    eval_iters: int = 100
     """Validation iterations (global batches) per run."""
     seed: int = 1234
     """Seeds the initial weights, dropout and the data order (the same whatever the layout)."""
@@ -84,17 +134,62 @@ class TrainingConfig:
     """Train in bfloat16 (DeepSpeed's bf16 optimizer keeps float32 master weights)."""
     fp16: bool = False
     """Train in float16 with loss scaling (GPU only)."""
+    grad_reduce_in_bf16: bool = False
+    """Under --bf16, accumulate the micro-batches' gradients and reduce them over the
+    data-parallel ranks in bfloat16 (DeepSpeed's data_types.grad_accum_dtype and
+    communication_data_type bf16). Without it both are float32, which DeepSpeed's bf16 optimizer
+    does at ZeRO 1 and more: --bf16 with --zero-stage 0 runs at ZeRO 1 (optimizer states
+    sharded over the data-parallel ranks). No effect without --bf16."""
+    manual_gc: bool = False
+    """Turn Python's automatic garbage collection off for the run and collect at fixed points
+    (every --manual-gc-interval iterations, around validation), at the same time on every rank."""
+    manual_gc_interval: int = 0
+    """With --manual-gc: collect every this many iterations (0 = never during training)."""
+    manual_gc_eval: bool = option(True, name="--no-manual-gc-eval")
+    """With --manual-gc: do not collect before and after each validation run."""
+    empty_unused_memory_level: int = option(0, choices=(0, 1, 2))
+    """Release the CUDA caching allocator's unused blocks (torch.cuda.empty_cache) after each
+    iteration (1), and also after each validation run (2); 0: never. Nothing to release on
+    CPU."""
+    recompute_granularity: str | None = option(None, choices=RECOMPUTE_GRANULARITIES)
+    """Recompute activations in the backward pass instead of keeping them: full (whole
+    transformer layers, as --recompute-method says) or selective (the core attention only: its
+    [b, heads, s, s] softmax with --attention-backend unfused)."""
+    recompute_method: str | None = option(None, choices=RECOMPUTE_METHODS)
+    """With --recompute-granularity full: uniform (the layers in chunks of
+    --recompute-num-layers, only each chunk's input kept) or block (the first
+    --recompute-num-layers layers of each pipeline stage recomputed, the others not)."""
+    recompute_num_layers: int | None = None
+    """Layers per recomputed chunk (uniform) or recomputed layers per pipeline stage (block)."""
     recompute_activations: bool = False
-    """Recompute every layer's activations in the backward pass (less memory, more compute)."""
+    """Selective recomputation: --recompute-granularity selective."""
     num_workers: int = 2
     """Data-loader worker processes per rank reading (and for CLIP decoding and augmenting) the
     training samples ahead of the step; 0 reads them in the training process. The batches are
     the same either way."""
 
     @property
+    def iterations(self) -> int:
+        """The run's iterations: --train-iters, or what --train-samples makes (with the global
+        batch ``validate_run`` fills)."""
+        if self.train_iters is not None:
+            return self.train_iters
+        return self.batch_schedule().iterations(self.train_samples)
+
+    @property
     def params_dtype(self) -> torch.dtype:
         """The model's parameter dtype for --bf16 / --fp16 (float32 otherwise)."""
         return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+    def batch_schedule(self) -> BatchSchedule:
+        """The global batch of each iteration (--global-batch-size, --rampup-batch-size)."""
+        ramp = tuple(self.rampup_batch_size) if self.rampup_batch_size else None
+        return BatchSchedule(self.global_batch_size, ramp)
+
+    def train_samples_needed(self) -> int:
+        """The training samples the run reads: --train-samples, or what its iterations take
+        when more (a ramp's last iteration may pass --train-samples)."""
+        return max(self.train_samples or 0, self.batch_schedule().consumed(self.iterations))
 
 
 @dataclass
@@ -124,11 +219,21 @@ class CheckpointConfig:
     """When the newest checkpoint of --load (or --pretrained-checkpoint) is damaged (a file
     missing, truncated or altered since its save), load the newest older one that is valid
     instead of stopping."""
+    no_load_rng: bool = False
+    """Do not restore the RNG states from --load: the run continues with the streams its --seed
+    gives (dropout draws differ from the run that saved; everything else is exact)."""
+    exit_on_missing_checkpoint: bool = False
+    """With --load: stop with an error when it holds no checkpoint, instead of starting from
+    scratch."""
+    use_checkpoint_args: bool = False
+    """Take the model's architecture from the newest checkpoint in --load (the config saved with
+    it): its structure always, its sizes where the command line gives none; with no checkpoint
+    there, the command line's."""
 
 
 @dataclass
 class LoggingConfig:
-    log_interval: int = 10
+    log_interval: int = 100
     """Iterations between log lines (console, TensorBoard, metrics file)."""
     tensorboard_dir: str | None = None
     """Write TensorBoard scalars and tau histograms here."""
@@ -144,6 +249,23 @@ class LoggingConfig:
     """Where W&B writes its run directory (default: W&B's, ./wandb)."""
     wandb_entity: str | None = None
     """The W&B team or user the project belongs to (default: the logged-in user's)."""
+    log_throughput: bool = False
+    """Add the model's training TFLOP/s per GPU to the log lines (``tflops_per_gpu``: Megatron-LM's
+    FLOP count of a GPT, TempNet's products included)."""
+    profile: bool = False
+    """Profile the iterations --profile-step-start to --profile-step-end - 1 on --profile-ranks:
+    with --use-pytorch-profiler a torch.profiler trace in --tensorboard-dir; otherwise (for
+    ``nsys profile --capture-range=cudaProfilerApi``) the CUDA profiler's capture range and NVTX
+    ranges of the autograd operations (nothing to capture on CPU)."""
+    use_pytorch_profiler: bool = False
+    """With --profile: record with torch.profiler, written as a TensorBoard trace (PyTorch's
+    tensorboard_trace_handler) to --tensorboard-dir."""
+    profile_step_start: int = 10
+    """With --profile: the first iteration profiled."""
+    profile_step_end: int = 12
+    """With --profile: the iteration after the last one profiled."""
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    """With --profile: the global ranks that profile."""
 
 
 @dataclass(kw_only=True)
@@ -168,89 +290,3 @@ class RunConfig:
     def gradient_accumulation_steps(self, world_size: int) -> int:
         t = self.training
         return t.global_batch_size // (t.micro_batch_size * self.data_parallel_size(world_size))
-
-
-def validate_run(config: RunConfig, world_size: int) -> None:
-    """The checks of the layout, batch, precision, optimizer and checkpoint flags; fills the
-    derived defaults (global batch size, decay length, warmup)."""
-    p, t, o = config.parallel, config.training, config.optimizer
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    if p.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"--zero-stage ({p.zero_stage}) must be 0, 1, 2 or 3")
-    if p.zero_stage >= 2 and pp > 1:
-        raise ConfigError(
-            f"--zero-stage {p.zero_stage} cannot shard gradients across pipeline stages "
-            f"(--pipeline-model-parallel-size {pp}): use --zero-stage 0 or 1 with PP > 1"
-        )
-    if tp < 1 or pp < 1 or world_size % (tp * pp):
-        raise ConfigError(
-            f"the world size ({world_size}) must be a multiple of --tensor-model-parallel-size "
-            f"({tp}) x --pipeline-model-parallel-size ({pp})"
-        )
-    dp = world_size // (tp * pp)
-    if t.micro_batch_size < 1:
-        raise ConfigError(f"--micro-batch-size ({t.micro_batch_size}) must be >= 1")
-    if t.global_batch_size is None:
-        t.global_batch_size = t.micro_batch_size * dp
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise ConfigError(
-            f"--global-batch-size ({t.global_batch_size}) must be a multiple of "
-            f"--micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})"
-        )
-    if t.bf16 and t.fp16:
-        raise ConfigError("--bf16 and --fp16 are exclusive")
-    if t.num_workers < 0:
-        raise ConfigError(f"--num-workers ({t.num_workers}) must be >= 0")
-    if t.train_iters < 1:
-        raise ConfigError(f"--train-iters ({t.train_iters}) must be >= 1")
-    _validate_schedule(o, t)
-    _validate_checkpointing(config.checkpoint)
-    _validate_logging(config.logging)
-
-
-def _validate_schedule(o: OptimizerConfig, t: TrainingConfig) -> None:
-    if o.lr_decay_iters is None:
-        o.lr_decay_iters = t.train_iters
-    if o.lr_warmup_fraction is None and not o.lr_warmup_iters:
-        o.lr_warmup_fraction = DEFAULT_WARMUP_FRACTION
-    if o.min_lr > o.lr:
-        raise ConfigError(f"--min-lr ({o.min_lr}) must be <= --lr ({o.lr})")
-    if o.lr_warmup_fraction is not None and not 0 <= o.lr_warmup_fraction <= 1:
-        raise ConfigError(f"--lr-warmup-fraction ({o.lr_warmup_fraction}) must be in [0, 1]")
-
-
-def _validate_checkpointing(ckpt: CheckpointConfig) -> None:
-    if ckpt.exit_interval and not ckpt.save:
-        raise ConfigError("--exit-interval saves a checkpoint before exiting: give --save")
-    if ckpt.exit_duration_in_mins < 0:
-        raise ConfigError(f"--exit-duration-in-mins ({ckpt.exit_duration_in_mins:g}) must be >= 0")
-    if ckpt.exit_duration_in_mins and not ckpt.save:
-        raise ConfigError("--exit-duration-in-mins saves a checkpoint before exiting: give --save")
-    if ckpt.pretrained_checkpoint and ckpt.finetune:
-        raise ConfigError(
-            "--pretrained-checkpoint and --finetune both choose the starting weights: "
-            "use --pretrained-checkpoint DIR with --load/--save RUN_DIR (resumes when requeued)"
-        )
-    if ckpt.pretrained_checkpoint and not ckpt.load:
-        raise ConfigError(
-            f"--pretrained-checkpoint {ckpt.pretrained_checkpoint} is used only while --load "
-            "holds no checkpoint: give --load (usually the same directory as --save)"
-        )
-
-
-def _validate_logging(log: LoggingConfig) -> None:
-    if log.log_interval < 1:
-        raise ConfigError(f"--log-interval ({log.log_interval}) must be >= 1")
-    wandb_only = {
-        "--wandb-exp-name": log.wandb_exp_name,
-        "--wandb-save-dir": log.wandb_save_dir,
-        "--wandb-entity": log.wandb_entity,
-    }
-    given = [flag for flag, value in wandb_only.items() if value]
-    if given and not log.wandb_project:
-        raise ConfigError(f"{', '.join(given)} without --wandb-project: give the W&B project")
-    if log.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(
-            f"--wandb-project {log.wandb_project} needs the wandb package: "
-            "pip install 'megatron-tempnet[wandb]' (or pip install wandb)"
-        )

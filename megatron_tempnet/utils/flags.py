@@ -38,6 +38,7 @@ from typing import Any
 _FLAG = "flag"  # field metadata: the flag's name, or None for a derived field
 _CHOICES = "choices"
 _METAVAR = "metavar"
+_ALIASES = "aliases"
 
 
 def option(
@@ -47,9 +48,12 @@ def option(
     choices: typing.Sequence | None = None,
     metavar: str | None = None,
     default_factory: Any = dataclasses.MISSING,
+    aliases: typing.Sequence[str] = (),
 ) -> Any:
-    """A config field with a flag of another ``name`` than its own, ``choices`` or a ``metavar``."""
-    metadata = {_FLAG: name or "", _CHOICES: choices, _METAVAR: metavar}
+    """A config field with a flag of another ``name`` than its own, ``choices`` (matched without
+    regard to case: ``rmsnorm`` is ``RMSNorm``), a ``metavar``, or other spellings of its flag
+    (``aliases``: Megatron-DeepSpeed's ``--deepspeed_config``)."""
+    metadata = {_FLAG: name or "", _CHOICES: choices, _METAVAR: metavar, _ALIASES: tuple(aliases)}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
@@ -128,7 +132,8 @@ def add_flags(
             continue
         if f.name not in docs:
             raise TypeError(f"{cls.__name__}.{f.name} has no docstring: it is {flag}'s help text")
-        group.add_argument(flag, **_argument(f, hints[f.name], docs[f.name], preset, required))
+        names = (flag, *f.metadata.get(_ALIASES, ()))
+        group.add_argument(*names, **_argument(f, hints[f.name], docs[f.name], preset, required))
     return group
 
 
@@ -145,7 +150,10 @@ def _argument(
     help_text = doc.replace("%", "%%")
     if preset:
         if "(default:" not in help_text:
-            help_text += " (default: the --model preset's)"
+            shown = "none" if not has_default or default is None else default
+            if isinstance(default, bool):
+                shown = "off"
+            help_text += f" (default: {shown}, or the --model preset's)"
         default = None
     elif has_default and default is not None and not isinstance(default, bool | tuple | list):
         help_text += f" (default: {default})"
@@ -159,6 +167,8 @@ def _argument(
         out["nargs"] = "+"
     if f.metadata.get(_CHOICES):
         out["choices"] = list(f.metadata[_CHOICES])
+        if kind is str:
+            out["type"] = _canonical_choice(out["choices"])
     if f.metadata.get(_METAVAR):
         out["metavar"] = f.metadata[_METAVAR]
     if not has_default and not preset:
@@ -166,17 +176,29 @@ def _argument(
     return out
 
 
+def _canonical_choice(choices: list[str]):
+    """A flag type that spells a choice as ``choices`` does, whatever its case."""
+    by_lower = {c.lower(): c for c in choices}
+
+    def canonical(value: str) -> str:
+        return by_lower.get(value.lower(), value)
+
+    return canonical
+
+
 def add_preset_flags(
-    parser: argparse.ArgumentParser, cls: type, presets: dict, default: str, what: str
+    parser: argparse.ArgumentParser, cls: type, presets: dict, default: str | None, what: str
 ):
     """The ``model`` group: ``--model`` (one of ``presets``, describing ``what``) and ``cls``'s
     flags, each overriding the preset's value."""
     group = parser.add_argument_group("model")
+    none = "none: the model is what its flags say, with Megatron-LM's defaults"
     group.add_argument(
         "--model",
         default=default,
         choices=sorted(presets),
-        help=f"{what}; every other model flag overrides it (default: {default})",
+        help=f"{what}; every other model flag overrides it, and the overrides are listed at "
+        f"start-up (default: {default or none})",
     )
     return add_flags(group, cls, preset=True)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 _ROOT = "megatron_tempnet"
@@ -30,3 +31,12 @@ def log_rank0(msg: str, *args, level: int = logging.INFO, logger: logging.Logger
 def warn_rank0(msg: str, *args, logger: logging.Logger | None = None) -> None:
     """Warning on global rank 0 only."""
     log_rank0(msg, *args, level=logging.WARNING, logger=logger)
+
+
+def log_startup(lines: list[str], logger: logging.Logger | None = None) -> None:
+    """Log ``lines`` once per job, before torch.distributed starts: on the process whose
+    launcher rank (torchrun's ``RANK``, srun's ``SLURM_PROCID``) is 0."""
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
+        return
+    for line in lines:
+        (logger or get_logger()).info("%s", line)

@@ -46,16 +46,20 @@ def add_yaml_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_with_yaml(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """``parser.parse_args(argv)`` with the values of ``--yaml-cfg`` as the defaults."""
-    pre = argparse.ArgumentParser(add_help=False)
+    """``parser.parse_args(argv)`` with the values of ``--yaml-cfg`` as the defaults (a
+    ``FlagParser`` counts them as given)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument(FLAG)
     path = getattr(pre.parse_known_args(argv)[0], "yaml_cfg", None)
+    values = {}
     if path:
         values = yaml_flag_values(parser, path)
         for action in parser._actions:  # argparse has no public list of its flags
             if action.dest in values:
                 action.required = False  # given by the file
         parser.set_defaults(**values)
+    if hasattr(parser, "extra_given"):  # a FlagParser: the file's flags count as given
+        parser.extra_given = set(values)
     return parser.parse_args(argv)
 
 

@@ -19,6 +19,7 @@ from megatron_tempnet.models.clip.config import CLIPModelConfig
 from megatron_tempnet.models.gpt import ModelConfig
 from megatron_tempnet.models.recompute import Recompute
 from tests.helpers.distributed import run_distributed
+from tests.helpers.shapes import LLAMA_SHAPE
 
 SEQ, BATCH = 16, 2
 SLOW = dict(
@@ -31,14 +32,7 @@ ARCHS = {
     # GPT-2: learned positions, tied embeddings, biases, tanh GELU (the fused bias-GELU)
     "gpt2": dict(openai_gelu=True),
     # LLaMA: RoPE, RMSNorm, SwiGLU (the fused bias-SwiGLU), 4 heads sharing 2 key/value groups
-    "llama-gqa": dict(
-        normalization="RMSNorm",
-        swiglu=True,
-        untie_embeddings_and_output_weights=True,
-        position_embedding_type="rope",
-        add_bias_linear=False,
-        num_query_groups=2,
-    ),
+    "llama-gqa": LLAMA_SHAPE,
 }
 
 

@@ -16,6 +16,7 @@ import torch
 
 from megatron_tempnet.models.gpt import ModelConfig
 from tests.helpers.distributed import run_distributed
+from tests.helpers.shapes import LLAMA_SHAPE
 
 SEQ, BATCH, VOCAB = 12, 2, 200
 
@@ -31,15 +32,7 @@ def _model(arch: str, one_p: bool) -> ModelConfig:
         apply_layernorm_1p=one_p,
     )
     if arch == "llama":
-        shape.update(
-            normalization="RMSNorm",
-            swiglu=True,
-            untie_embeddings_and_output_weights=True,
-            position_embedding_type="rope",
-            add_bias_linear=False,
-            num_query_groups=2,
-            ffn_hidden_size=96,
-        )
+        shape.update(LLAMA_SHAPE, ffn_hidden_size=96)
     return ModelConfig.from_preset("tiny", **shape)
 
 

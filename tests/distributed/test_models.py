@@ -224,8 +224,7 @@ def test_rope_scaling_flag_checks(flags, message):
 def test_model_flags_rebuild_a_scaled_rope_model():
     """A conversion's model_flags.txt, parsed by pretrain_gpt.py, gives the same model."""
     from megatron_tempnet.models.gpt import model_flags
-    from megatron_tempnet.models.gpt.arguments import build_parser
-    from megatron_tempnet.utils.flags import flag_values
+    from megatron_tempnet.models.gpt.arguments import build_parser, config_from_args
 
     model = ModelConfig.from_preset(
         "llama3.2-1b",
@@ -234,9 +233,12 @@ def test_model_flags_rebuild_a_scaled_rope_model():
         rope_scaling_high_freq_factor=3.0,
         rope_scaling_original_max_position_embeddings=24,
     )
-    required = ["--data-path", "d", "--tokenizer-type", "GPT2BPETokenizer", "--train-iters", "1"]
-    args = build_parser().parse_args(model_flags(model) + required)
-    rebuilt = ModelConfig.from_preset("tiny", **flag_values(ModelConfig, args), vocab_size=128256)
+    required = ["--data-path", "d", "--tokenizer-type", "GPT2BPETokenizer", "--train-iters", "1",
+                "--lr", "1e-4", "--seq-length", str(model.seq_length)]  # fmt: skip
+    # no --model: the flags alone build the model (Megatron-LM's defaults for the rest)
+    rebuilt = config_from_args(build_parser().parse_args(model_flags(model) + required)).model
+    rebuilt.vocab_size = model.vocab_size
+    assert rebuilt == model
     assert rebuilt.rope() == model.rope() and _shape(rebuilt) == _shape(model)
     assert rebuilt.rope().scaling.factor == 16.0
     assert not rebuilt.untie_embeddings_and_output_weights

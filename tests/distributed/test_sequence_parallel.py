@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron_tempnet.models.gpt import ModelConfig
 from tests.helpers.distributed import run_distributed
+from tests.helpers.shapes import LLAMA_SHAPE
 
 SEQ, BATCH, VOCAB = 16, 2, 200
 CHUNK = 7  # tokens per chunk of the fused output stage (gathered from both TP ranks: 6)
@@ -34,15 +35,7 @@ def _model(arch: str, **kw) -> ModelConfig:
         openai_gelu=arch == "gpt2",
     )
     if arch == "llama":
-        shape.update(
-            normalization="RMSNorm",
-            swiglu=True,
-            untie_embeddings_and_output_weights=True,
-            position_embedding_type="rope",
-            add_bias_linear=False,
-            num_query_groups=2,
-            ffn_hidden_size=128,
-        )
+        shape.update(LLAMA_SHAPE, ffn_hidden_size=128)
     return ModelConfig.from_preset("tiny", **{**shape, **kw})
 
 

@@ -34,7 +34,9 @@ def _train(setup, ckpt, out, nproc: int, iters: int, extra: list[str] = ()) -> N
         "--tempnet-hidden-size", "32", "--tempnet-proj-size", "32", "--tempnet-rho", "4",
         "--lr", "3e-3", "--data-cache-path", str(setup["dir"] / "cache"), "--freeze-lm",
         "--pretrained-checkpoint", ckpt, "--load", str(out), "--save", str(out),
-        "--tensor-model-parallel-size", str(nproc), *extra,
+        "--tensor-model-parallel-size", str(nproc),
+        # HF GPT-2's dropout (0.1, in model_flags.txt) would draw other masks at each TP size
+        "--hidden-dropout", "0", "--attention-dropout", "0", *extra,
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", os.path.join(REPO, "pretrain_gpt.py"), *args]  # fmt: skip

@@ -32,12 +32,16 @@ OUTPUT_CHUNK = 24  # tokens: a micro-batch's 64 in three chunks, the last one pa
 def _args(corpus, tmp, **flags) -> list[str]:
     spec = corpus["spec"]
     base = {
+        "model": "tiny",
         "data-path": corpus["prefix"]["A"], "split": "90,8,2", "seq-length": 32,
         "tokenizer-type": "GPT2BPETokenizer", "vocab-file": spec["vocab_file"],
         "merge-file": spec["merge_file"], "train-iters": 10, "micro-batch-size": 2,
         "global-batch-size": 8, "log-interval": 1, "eval-interval": 5, "eval-iters": 1,
         "tempnet-hidden-size": 32, "tempnet-proj-size": 32, "tempnet-rho": 4, "lr": 1e-3,
         "data-cache-path": str(tmp / "cache"), "seed": 5,
+        # the paper's Table 5 schedule and AdamW (Megatron-LM's defaults are linear, 0.999, 0.01)
+        "lr-decay-style": "cosine", "lr-warmup-fraction": 0.01, "adam-beta2": 0.95,
+        "weight-decay": 0.1,
         "output-stage-chunk-size": OUTPUT_CHUNK,
         # read in the training process: two loader workers per rank (the default) triple these
         # tiny runs' wall time on 2 cores; test_loader_workers_give_the_same_run runs them
@@ -76,6 +80,18 @@ LAYOUTS = {  # name: (processes, flags)
     "pp2": (2, {"pipeline-model-parallel-size": 2}),
     "tp2-pp2": (4, {"tensor-model-parallel-size": 2, "pipeline-model-parallel-size": 2}),
     "pp2-dp2-zero1": (4, {"pipeline-model-parallel-size": 2, "zero-stage": 1}),
+    "tp2-dp2-zero2-sp": (
+        4,
+        {"tensor-model-parallel-size": 2, "zero-stage": 2, "sequence-parallel": True},
+    ),
+    "tp2-pp2-sp": (
+        4,
+        {
+            "tensor-model-parallel-size": 2,
+            "pipeline-model-parallel-size": 2,
+            "sequence-parallel": True,
+        },
+    ),
 }
 
 

@@ -40,6 +40,7 @@ def corpus(tmp_path_factory):
 def _args(corpus, tmp, **flags) -> list[str]:
     spec = corpus["spec"]
     base = {
+        "model": "tiny",
         "data-path": corpus["prefix"]["A"], "split": "90,8,2", "seq-length": 16,
         "tokenizer-type": "GPT2BPETokenizer", "vocab-file": spec["vocab_file"],
         "merge-file": spec["merge_file"], "micro-batch-size": 2, "global-batch-size": 4,

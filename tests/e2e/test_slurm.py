@@ -53,7 +53,7 @@ def llama_lm(tmp_path_factory):
            "--tokenizer-model", model, "--data-path", prefix.prefix, "--split", "98,2,0",
            "--seq-length", "64", "--loss", "ce", "--tau-source", "fixed", "--train-iters", "3",
            "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-interval", "0",
-           "--save", str(d / "lm")]  # fmt: skip
+           "--lr", "1e-3", "--save", str(d / "lm")]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     r = run_command(cmd, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -222,6 +222,7 @@ def test_every_other_script_runs_under_slurm(cluster, gpt2_data, llama_lm, tmp_p
     llama7b = {**llama_lm, **iters, "RUN_DIR": str(tmp_path / "llama7b"), "NPROC_PER_NODE": "2"}
     l7 = _submit(cluster, "run_llama7b_tempnet.sh", llama7b, str(tmp_path / "l7.out"), 2)
     clip = {**_clip_data(tmp_path), "RUN_DIR": str(tmp_path / "clip"), "TRAIN_ITERS": "3",
+            "WARMUP_ITERS": "1",
             "MODEL": "clip-tiny", "EMBED_DIM": "32", "GLOBAL_BATCH": "8", "NPROC_PER_NODE": "1",
             "DEVICE": "cpu", "REPO": REPO, "PYTHON": sys.executable,
             "LOG_INTERVAL": "1"}  # fmt: skip

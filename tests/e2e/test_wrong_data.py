@@ -55,6 +55,7 @@ def data(tmp_path_factory):
 def _args(data, tmp, **flags) -> list[str]:
     spec = data["spec"]
     base = {
+        "model": "tiny", "lr": 1e-3,
         "data-path": data["prefix"]["run"], "split": "90,8,2", "seq-length": 16,
         "tokenizer-type": "GPT2BPETokenizer", "vocab-file": spec["vocab_file"],
         "merge-file": spec["merge_file"], "micro-batch-size": 2, "global-batch-size": 4,

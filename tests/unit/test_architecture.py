@@ -200,40 +200,57 @@ def _options(parser) -> dict[str, str]:
     }
 
 
-GPT_FLAGS = """adam-beta1 adam-beta2 adam-eps attention-backend attention-dropout bf16 clip-grad
-data-cache-path data-path deepspeed-config disable-bias-linear eod-mask-loss eval-interval
-eval-iters exit-duration-in-mins exit-interval ffn-hidden-size finetune fixed-tau fp16 freeze-lm
-global-batch-size hidden-dropout hidden-size init-method-std keep-last load load-fallback
-log-interval loss lr
-lr-decay-iters lr-warmup-fraction lr-warmup-iters make-vocab-size-divisible-by
-max-position-embeddings merge-file metrics-file micro-batch-size min-lr model no-bias-dropout-fusion
-no-bias-gelu-fusion no-bias-swiglu-fusion no-fused-output-stage no-load-optim no-tempnet-stop-grad
-norm-epsilon num-workers normalization num-attention-heads num-layers num-query-groups openai-gelu
-output-stage-chunk-size pipeline-model-parallel-size position-embedding-type pretrained-checkpoint
-recompute-activations reset-attention-mask reset-position-ids rope-scaling-factor
+GPT_FLAGS = """adam-beta1 adam-beta2 adam-eps apply-layernorm-1p apply-query-key-layer-scaling
+attention-backend attention-dropout attention-softmax-in-fp32 bf16 calculate-per-token-loss
+clip-grad context-parallel-size cross-entropy-loss-fusion data-cache-path data-impl data-path
+deepspeed deepspeed-config deepspeed_config disable-bias-linear distributed-backend
+distributed-timeout-minutes empty-unused-memory-level eod-mask-loss eval-interval eval-iters
+exit-duration-in-mins exit-interval exit-on-missing-checkpoint expert-model-parallel-size
+ffn-hidden-size finetune fixed-tau fp16 freeze-lm global-batch-size grad-reduce-in-bf16
+group-query-attention hidden-dropout hidden-size init-method-std keep-last kv-channels load
+load-fallback log-interval log-throughput loss lr lr-decay-iters lr-decay-samples lr-decay-style
+lr-warmup-fraction lr-warmup-init lr-warmup-iters lr-warmup-samples lr-wsd-decay-iters
+lr-wsd-decay-samples lr-wsd-decay-style make-vocab-size-divisible-by manual-gc manual-gc-interval
+max-position-embeddings merge-file metrics-file micro-batch-size min-lr mock-data model
+no-bias-dropout-fusion no-bias-gelu-fusion no-bias-swiglu-fusion
+no-create-attention-mask-in-dataloader no-fused-output-stage no-gradient-accumulation-fusion
+no-load-optim no-load-rng no-manual-gc-eval no-masked-softmax-fusion no-mmap-bin-files
+no-position-embedding no-query-key-layer-scaling no-rope-fusion no-tempnet-stop-grad norm-epsilon
+normalization num-attention-heads num-key-value-heads num-layers num-query-groups num-workers
+openai-gelu optimizer output-stage-chunk-size overlap-grad-reduce overlap-param-gather
+pipeline-model-parallel-size position-embedding-type pretrained-checkpoint profile profile-ranks
+profile-step-end profile-step-start rampup-batch-size recompute-activations recompute-granularity
+recompute-method recompute-num-layers reset-attention-mask reset-position-ids rope-scaling-factor
 rope-scaling-high-freq-factor rope-scaling-low-freq-factor
-rope-scaling-original-max-position-embeddings rotary-base save save-interval seed
-seq-length split swiglu tau-source tempnet-hidden-size tempnet-lr tempnet-proj-size tempnet-rho
-tempnet-tau-max tempnet-tau-min tempnet-weight-decay tensor-model-parallel-size tensorboard-dir
-tokenizer-model tokenizer-type train-iters untie-embeddings-and-output-weights use-rope-scaling
-vocab-file wandb-entity wandb-exp-name wandb-project wandb-save-dir weight-decay yaml-cfg
-zero-stage"""
+rope-scaling-original-max-position-embeddings rotary-base rotary-percent save save-interval seed
+seq-length sequence-parallel split swiglu tau-source tempnet-hidden-size tempnet-lr
+tempnet-proj-size tempnet-rho tempnet-tau-max tempnet-tau-min tempnet-weight-decay
+tensor-model-parallel-size tensorboard-dir tiktoken-pattern tokenizer-model tokenizer-type
+train-iters train-samples transformer-impl untie-embeddings-and-output-weights use-checkpoint-args
+use-distributed-optimizer use-flash-attn use-mcore-models use-pytorch-profiler use-rope-scaling
+use-rotary-position-embeddings use-tempnet vocab-file vocab-size wandb-entity wandb-exp-name
+wandb-project wandb-save-dir weight-decay yaml-cfg zero-stage"""
 CLIP_FLAGS = """adam-beta1 adam-beta2 adam-eps attention-backend bf16 caption-key caption-noise
-clip-grad clip-loss context-length data-cache-path deepspeed-config embed-dim eval-batch-size
-eval-interval eval-iters exit-duration-in-mins exit-interval finetune fp16 global-batch-size
-image-augment image-channels image-key image-mean image-size image-std init-method-std
-isogclr-grad-clip isogclr-tau-beta isogclr-tau-lr isogclr-tau-max isogclr-tau-min keep-last
-label-key load load-fallback log-interval lr lr-decay-iters lr-warmup-fraction
-lr-warmup-iters
-make-vocab-size-divisible-by merge-file metrics-file micro-batch-size min-lr model
-no-bias-dropout-fusion no-bias-gelu-fusion no-bias-swiglu-fusion no-load-optim num-workers
-ood-data patch-size pipeline-model-parallel-size pretrained-checkpoint quick-gelu
-recompute-activations save save-interval seed
-skip-bad-samples sogclr-gamma tau-init tempnet-lr tempnet-proj-size tempnet-rho tempnet-tau-max
-tempnet-tau-min tempnet-weight-decay tensor-model-parallel-size tensorboard-dir text-heads
-text-hidden-size text-layers tokenizer-model tokenizer-type train-data train-iters valid-data
-vision-heads vision-hidden-size vision-layers vocab-file wandb-entity wandb-exp-name
-wandb-project wandb-save-dir weight-decay yaml-cfg zero-stage zeroshot-templates"""
+clip-grad clip-loss context-length data-cache-path deepspeed-config deepspeed_config
+distributed-timeout-minutes embed-dim empty-unused-memory-level eval-batch-size eval-interval
+eval-iters exit-duration-in-mins exit-interval exit-on-missing-checkpoint finetune fp16
+global-batch-size grad-reduce-in-bf16 image-augment image-channels image-key image-mean image-size
+image-std init-method-std isogclr-grad-clip isogclr-tau-beta isogclr-tau-lr isogclr-tau-max
+isogclr-tau-min keep-last label-key load load-fallback log-interval log-throughput lr
+lr-decay-iters lr-decay-samples lr-decay-style lr-warmup-fraction lr-warmup-init lr-warmup-iters
+lr-warmup-samples lr-wsd-decay-iters lr-wsd-decay-samples lr-wsd-decay-style
+make-vocab-size-divisible-by manual-gc manual-gc-interval merge-file metrics-file micro-batch-size
+min-lr model no-bias-dropout-fusion no-bias-gelu-fusion no-bias-swiglu-fusion no-load-optim
+no-load-rng no-manual-gc-eval num-workers ood-data overlap-grad-reduce overlap-param-gather
+patch-size pipeline-model-parallel-size pretrained-checkpoint profile profile-ranks
+profile-step-end profile-step-start quick-gelu rampup-batch-size recompute-activations
+recompute-granularity recompute-method recompute-num-layers save save-interval seed
+sequence-parallel skip-bad-samples sogclr-gamma tau-init tempnet-lr tempnet-proj-size tempnet-rho
+tempnet-tau-max tempnet-tau-min tempnet-weight-decay tensor-model-parallel-size tensorboard-dir
+text-heads text-hidden-size text-layers tokenizer-model tokenizer-type train-data train-iters
+train-samples use-checkpoint-args use-pytorch-profiler valid-data vision-heads vision-hidden-size
+vision-layers vocab-file vocab-size wandb-entity wandb-exp-name wandb-project wandb-save-dir
+weight-decay yaml-cfg zero-stage zeroshot-templates"""
 
 
 def test_every_flag_has_help_and_keeps_its_name():

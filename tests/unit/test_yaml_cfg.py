@@ -9,7 +9,8 @@ import pytest
 
 from megatron_tempnet.models.clip.arguments import build_clip_parser, clip_config_from_args
 from megatron_tempnet.models.gpt.arguments import build_parser, config_from_args
-from megatron_tempnet.trainer.config import ConfigError, validate_run
+from megatron_tempnet.trainer.config import ConfigError
+from megatron_tempnet.trainer.validation import validate_run
 from megatron_tempnet.utils.yaml_cfg import YamlConfigError, config_yaml, parse_with_yaml
 
 GPT = ["--tokenizer-type", "GPT2BPETokenizer", "--train-iters", "7"]
@@ -20,6 +21,7 @@ def _gpt(tmp_path, text: str, *argv: str):
     path = tmp_path / "c.yaml"
     path.write_text(text)
     data = [] if "data_path" in text else ["--data-path", "d"]
+    data += [] if "model:" in text else ["--model", "tiny"]
     argv = [*GPT, *data, "--yaml-cfg", str(path), *argv]
     return config_from_args(parse_with_yaml(build_parser(), argv))
 
@@ -78,8 +80,10 @@ def test_a_resolved_config_written_as_yaml_rebuilds_it(tmp_path, family):
         "4",
         "--lr-warmup-iters",
         "2",
+        "--lr",
+        "1e-3",
     ]
-    clip = ["--image-mean", "0.5", "0.4", "0.3", "--clip-loss", "isogclr"]
+    clip = ["--image-mean", "0.5", "0.4", "0.3", "--clip-loss", "isogclr", "--lr", "1e-3"]
     build, make, argv = {
         "gpt": (build_parser, config_from_args, [*GPT, *gpt]),
         "clip": (build_clip_parser, clip_config_from_args, [*CLIP, *clip]),
@@ -94,6 +98,6 @@ def test_a_resolved_config_written_as_yaml_rebuilds_it(tmp_path, family):
 
 
 def test_wandb_flags_are_checked(tmp_path):
-    config = _gpt(tmp_path, "wandb_exp_name: x\nwandb_save_dir: d\n")
+    config = _gpt(tmp_path, "wandb_exp_name: x\nwandb_save_dir: d\nlr: 1e-3\n")
     with pytest.raises(ConfigError, match="--wandb-exp-name, --wandb-save-dir without --wandb-pro"):
         validate_run(config, world_size=1)

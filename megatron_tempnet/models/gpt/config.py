@@ -25,7 +25,9 @@ from megatron_tempnet.models.transformer import (
 )
 from megatron_tempnet.utils.flags import derived, option
 
+_NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0)
 _TINY = dict(
+    _NO_DROPOUT,
     num_layers=2,
     hidden_size=64,
     num_attention_heads=4,
@@ -41,8 +43,11 @@ _GPT2_125M = dict(
     seq_length=1024,
     max_position_embeddings=1024,
     openai_gelu=True,
+    hidden_dropout=0.1,
+    attention_dropout=0.1,
 )
 _LLAMA = dict(
+    _NO_DROPOUT,
     normalization="RMSNorm",
     swiglu=True,
     untie_embeddings_and_output_weights=True,
@@ -240,13 +245,16 @@ def model_flags(model: ModelConfig) -> list[str]:
         ("--num-layers", model.num_layers),
         ("--hidden-size", model.hidden_size),
         ("--num-attention-heads", model.num_attention_heads),
-        ("--ffn-hidden-size", model.ffn_hidden_size or 4 * model.hidden_size),
+        ("--ffn-hidden-size", model.ffn_size()),
         ("--max-position-embeddings", model.max_position_embeddings),
         ("--normalization", model.normalization),
         ("--norm-epsilon", model.norm_epsilon),
         ("--position-embedding-type", model.position_embedding_type),
+        ("--hidden-dropout", model.hidden_dropout),
+        ("--attention-dropout", model.attention_dropout),
     ]
-    if model.num_query_groups and model.num_query_groups != model.num_attention_heads:
+    grouped = model.num_query_groups and model.num_query_groups != model.num_attention_heads
+    if grouped:
         pairs.append(("--num-query-groups", model.num_query_groups))
     if model.position_embedding_type == "rope":
         pairs.append(("--rotary-base", model.rotary_base))
@@ -266,6 +274,8 @@ def model_flags(model: ModelConfig) -> list[str]:
         "--untie-embeddings-and-output-weights": model.untie_embeddings_and_output_weights,
         "--use-rope-scaling": model.use_rope_scaling,
         "--disable-bias-linear": not model.add_bias_linear,
+        "--group-query-attention": bool(grouped),
+        "--apply-layernorm-1p": model.apply_layernorm_1p,
     }
     flags = [str(x) for pair in pairs for x in pair]
     return flags + [flag for flag, on in switches.items() if on]

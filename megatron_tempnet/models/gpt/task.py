@@ -18,6 +18,7 @@ import torch
 from megatron_tempnet.data.gpt_data import (
     GPTDataConfig,
     build_gpt_datasets,
+    check_data_source,
     num_samples,
     parse_blend,
 )
@@ -26,9 +27,11 @@ from megatron_tempnet.data.tokenizer_sidecar import check_tokenizer
 from megatron_tempnet.data.tokenizers import TokenizerConfig
 from megatron_tempnet.distributed.sharding import TensorLayout
 from megatron_tempnet.models.gpt.config import ModelConfig
+from megatron_tempnet.models.gpt.flops import flops_per_token
 from megatron_tempnet.models.gpt.layers import build_gpt_model
 from megatron_tempnet.models.gpt.objective import LossConfig, TrainModule
 from megatron_tempnet.models.gpt.step import evaluate, train_step
+from megatron_tempnet.models.recompute import Recompute
 from megatron_tempnet.models.transformer import seed_rngs
 from megatron_tempnet.tempnet import TempNetLM
 from megatron_tempnet.trainer.checkpoint_format import (
@@ -37,10 +40,12 @@ from megatron_tempnet.trainer.checkpoint_format import (
     has_marker,
     latest_tag,
 )
-from megatron_tempnet.trainer.config import ConfigError, RunConfig, TrainingConfig, validate_run
+from megatron_tempnet.trainer.config import ConfigError, RunConfig, TrainingConfig
 from megatron_tempnet.trainer.engine import model_and_own_groups
+from megatron_tempnet.trainer.file_io import load_file
 from megatron_tempnet.trainer.step import step_max_grad_norm
 from megatron_tempnet.trainer.task import ParamGroup, TaskData, TrainModel
+from megatron_tempnet.trainer.validation import validate_run
 
 
 @dataclass
@@ -78,12 +83,20 @@ def validate_gpt(config: GPTRunConfig, world_size: int) -> None:
     loss.validate()
     loss.resolve_optimizer(config.optimizer.lr, config.optimizer.weight_decay)
     config.model.validate(config.parallel.tensor_model_parallel_size)
+    tp = config.parallel.tensor_model_parallel_size
+    if config.parallel.sequence_parallel and config.model.seq_length % tp:
+        raise ConfigError(
+            f"--sequence-parallel splits the sequence over the tensor-parallel ranks: "
+            f"--seq-length ({config.model.seq_length}) must be divisible by "
+            f"--tensor-model-parallel-size ({tp})"
+        )
     if config.model.seq_length != config.data.seq_length:
         raise ConfigError(
             f"the model's --seq-length ({config.model.seq_length}) and the data's "
             f"({config.data.seq_length}) differ"
         )
     _check_frozen_checkpoint(config)
+    _check_norm_weights(config)
 
 
 def _check_frozen_checkpoint(config: GPTRunConfig) -> None:
@@ -99,11 +112,44 @@ def _check_frozen_checkpoint(config: GPTRunConfig) -> None:
         )
 
 
+def _check_norm_weights(config: GPTRunConfig) -> None:
+    """The checkpoints to load keep their norms' weights as the run does: scales, or offsets from
+    1 with --apply-layernorm-1p (the same tensors, so a mismatch would load silently)."""
+    ckpt, one_p = config.checkpoint, config.model.apply_layernorm_1p
+    sources = {"--load": ckpt.load, "--pretrained-checkpoint": ckpt.pretrained_checkpoint}
+    for flag, directory in sources.items():
+        tag = latest_tag(directory) if directory else None
+        path = os.path.join(directory or "", tag or "", "mp_rank_00_model_states.pt")
+        if tag is None or not os.path.isfile(path):
+            continue
+        try:
+            saved = (load_file(path, mmap=True).get("config") or {}).get("model", {})
+        except Exception:  # a damaged file: the load names it (and offers --load-fallback)
+            continue
+        saved_one_p = saved.get("apply_layernorm_1p", one_p)  # older checkpoints: not recorded
+        if saved_one_p != one_p:
+            said = "with" if saved_one_p else "without"
+            raise ConfigError(
+                f"{flag} {directory}: {tag} was saved {said} --apply-layernorm-1p (its norms' "
+                f"weights are {'offsets from 1' if saved_one_p else 'the scales'}): run {said} "
+                "the flag too"
+            )
+
+
 def _frozen_from_pretrained(config: GPTRunConfig) -> bool:
     """The frozen LM is read from --pretrained-checkpoint and left out of the checkpoints
     (ZeRO-3 keeps every parameter in its partitions: those checkpoints stay whole)."""
     frozen = config.training.freeze_lm and config.checkpoint.pretrained_checkpoint is not None
     return frozen and config.parallel.zero_stage < 3
+
+
+def _flops_per_sample(config: GPTRunConfig) -> float:
+    """Megatron-LM's training FLOP count of one sample (``models.gpt.flops``)."""
+    loss, m = config.loss, config.model
+    tempnet = (loss.tempnet_hidden_size, loss.tempnet_proj_size) if loss.uses_tempnet else None
+    tp = config.parallel.tensor_model_parallel_size
+    frozen = config.training.freeze_lm
+    return flops_per_token(m, tempnet, tp, frozen_lm=frozen) * m.seq_length
 
 
 def tempnet_kwargs(config: GPTRunConfig, tp_group) -> dict:
@@ -146,12 +192,15 @@ class GPTTask:
         if config.model.vocab_size is None:
             config.model.vocab_size = tokenizer.vocab_size
         validate_gpt(config, world_size)
-        check_tokenizer(parse_blend(config.data.data_path)[0], tokenizer.identity)
+        check_data_source(config.data)
+        if not config.data.mock_data:
+            check_tokenizer(parse_blend(config.data.data_path)[0], tokenizer.identity)
         return tokenizer
 
     def build_data(self, config: GPTRunConfig, tokenizer) -> TaskData:
         t = config.training
-        sizes = num_samples(t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters)
+        sizes = num_samples(t.iterations, t.global_batch_size, t.eval_interval, t.eval_iters)
+        sizes[0] = t.train_samples_needed()  # --train-samples, --rampup-batch-size
         # an id the tokenizer cannot produce, or the embedding has no true row for, is wrong data
         vocab = min(tokenizer.vocab_size, config.model.vocab_size)
         train, valid, _ = build_gpt_datasets(config.data, tokenizer, sizes, vocab)
@@ -177,6 +226,7 @@ class GPTTask:
             engine_config=PIPELINE_ENGINE
             if config.parallel.pipeline_model_parallel_size > 1
             else {},
+            flops_per_sample=_flops_per_sample(config),
         )
 
     def _one_process_module(self, config: GPTRunConfig, tp_group) -> TrainModule:
@@ -185,8 +235,9 @@ class GPTTask:
             config.model,
             tensor_parallel_size=tp,
             params_dtype=config.training.params_dtype,
-            recompute_activations=t.recompute_activations,
+            recompute=Recompute.from_training(t),
             seed=t.seed,
+            sequence_parallel=config.parallel.sequence_parallel,
         )
         tempnet = None
         if config.loss.uses_tempnet:
@@ -224,11 +275,12 @@ class GPTTask:
             tensor_parallel=p.tensor_model_parallel_size,
             pipeline_parallel=p.pipeline_model_parallel_size,
             dtype=config.training.params_dtype,
-            recompute=t.recompute_activations,
+            recompute=Recompute.from_training(t),
             freeze_lm=t.freeze_lm,
             seed=t.seed,
             tempnet_kwargs=tempnet_kwargs(config, tp_group),
             tp_group=tp_group,
+            sequence_parallel=p.sequence_parallel,
         )
 
     def _param_groups(self, module, config: GPTRunConfig) -> list[ParamGroup]:

@@ -1,0 +1,159 @@
+"""Megatron-LM's (and Megatron-DeepSpeed's) flags that every entry point accepts under their names.
+
+Three kinds, each declared once:
+
+- ``RunSpellings``: flags whose effect is what the project computes anyway or maps to one of its
+  own flags. Each field's docstring reads ``<Megatron-LM's meaning>. Here: <what it maps to>``;
+  when a command line gives one, its start-up line says what it maps to (``notes``).
+- ``REFUSED`` / ``REFUSED_PREFIXES``: features that are not built (mixture of experts, FP8 and
+  Transformer Engine, interleaved pipeline stages, ...): a command line naming any of them stops
+  before anything starts, with one error naming them all (``utils.flag_parser``).
+- values of accepted flags that are not built (``--context-parallel-size 2``): ``problems``.
+
+The "from Megatron-LM" table of the docs is generated from these (``tools/flag_table.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from megatron_tempnet.utils.flags import field_docs, flag_name, option
+
+_MOE = "mixture of experts is not built (dense models only)"
+_FP8 = "FP8 training (Transformer Engine) is not built: use --bf16"
+_TE = "Transformer Engine is not used: the layers are megatron-core's local ones"
+_VPP = "interleaved (virtual) pipeline stages are not built: one pipeline stage per rank"
+_MLA = "multi-latent attention is not built"
+_CKPT = (
+    "checkpoints are written in DeepSpeed's format (per-rank files, loadable at any layout): "
+    "leave --ckpt-format out"
+)
+
+REFUSED: dict[str, str] = {
+    "--num-experts": _MOE,
+    "--expert-tensor-parallel-size": _MOE,
+    "--fp8": _FP8,
+    "--tp-comm-overlap": "Transformer Engine's TP communication overlap is not built",
+    "--num-layers-per-virtual-pipeline-stage": _VPP,
+    "--virtual-pipeline-model-parallel-size": _VPP,
+    "--multi-latent-attention": _MLA,
+    "--q-lora-rank": _MLA,
+    "--kv-lora-rank": _MLA,
+    "--rotary-interleaved": "interleaved RoPE is not built (rotary over halves, LLaMA's)",
+    "--ckpt-format": _CKPT,
+    "--decoupled-lr": "a separate learning rate for the embeddings is not built",
+    "--decoupled-min-lr": "a separate learning rate for the embeddings is not built",
+    "--use-legacy-models": "the layers are megatron-core's (Megatron-LM's legacy models are not)",
+    "--step-batch-size-schedule": "batch-size schedules: use --rampup-batch-size",
+    "--spec": "custom layer specs are not loaded from the command line",
+}
+"""Flags of features that are not built, with the reason."""
+
+REFUSED_PREFIXES: dict[str, str] = {
+    "--moe-": _MOE,
+    "--fp8-": _FP8,
+    "--te-": _TE,
+}
+"""Flag families of features that are not built."""
+
+
+@dataclass
+class RunSpellings:
+    """Megatron-LM's and Megatron-DeepSpeed's flags for what the project does anyway."""
+
+    deepspeed: bool = False
+    """Megatron-DeepSpeed: train with DeepSpeed. Here: always; DeepSpeed is the engine."""
+    distributed_backend: str = option("nccl", choices=("nccl", "gloo"))
+    """Megatron-LM: the torch.distributed backend. Here: the compute device's (NCCL on GPUs;
+    gloo on CPU, whatever is given)."""
+    use_distributed_optimizer: bool = False
+    """Megatron-LM: shard the optimizer states over the data-parallel ranks. Here: --zero-stage
+    1 (DeepSpeed ZeRO 1) unless a higher --zero-stage is given."""
+    optimizer: str = option("adam", choices=("adam",))
+    """Megatron-LM: the optimizer (adam = Adam with decoupled weight decay). Here: AdamW, the
+    same; sgd is not built."""
+    use_mcore_models: bool = False
+    """Megatron-LM: build the model from megatron-core's layers. Here: always."""
+    data_impl: str = option("mmap", choices=("mmap",))
+    """Megatron-DeepSpeed: how indexed datasets are read. Here: mmap, always."""
+    context_parallel_size: int = 1
+    """Megatron-LM: ranks that split the sequence in attention. Here: 1 only (context
+    parallelism is not built)."""
+    transformer_impl: str = option("local", choices=("local", "transformer_engine"))
+    """Megatron-LM: the layers' implementation (its default: transformer_engine). Here: local,
+    megatron-core's own layers (Transformer Engine is not used)."""
+    expert_model_parallel_size: int = 1
+    """Megatron-LM: expert-parallel ranks. Here: 1 only (mixture of experts is not built)."""
+    gradient_accumulation_fusion: bool = option(True, name="--no-gradient-accumulation-fusion")
+    """Megatron-LM: turn off apex's fused weight-gradient accumulation. Here: no effect (the
+    weight gradients are accumulated by autograd, never by that fusion)."""
+    calculate_per_token_loss: bool = False
+    """Megatron-LM: normalise the loss by the number of tokens in the global batch rather than
+    per micro-batch. Here: always (one division by the global token count)."""
+    create_attention_mask_in_dataloader: bool = option(
+        True, name="--no-create-attention-mask-in-dataloader"
+    )
+    """Megatron-LM: do not build attention masks in the data loader. Here: never built (causal
+    attention needs none)."""
+    mmap_bin_files: bool = option(True, name="--no-mmap-bin-files")
+    """Megatron-LM: read the .bin files without mmap. Here: no effect (they are read through
+    mmap)."""
+    tiktoken_pattern: str | None = None
+    """Megatron-LM: TikTokenizer's split pattern. Here: no effect (TikTokenizer is not built;
+    NullTokenizer ignores it as in Megatron-LM)."""
+
+
+def notes(args: argparse.Namespace, given: set[str]) -> list[str]:
+    """One start-up line per ``RunSpellings`` flag the command line gives."""
+    return spelling_notes(RunSpellings, args, given)
+
+
+def spelling_notes(cls: type, args: argparse.Namespace, given: set[str]) -> list[str]:
+    """``--flag value: <what it maps to>`` for each field of ``cls`` the command line gives
+    (the part of its docstring after ``Here:``)."""
+    docs = field_docs(cls)
+    lines = []
+    for name in given_fields(cls, given):
+        _, _, here = docs[name].partition(" Here: ")
+        lines.append(f"{shown(cls, name, args)}: {here}")
+    return lines
+
+
+def problems(args: argparse.Namespace) -> list[str]:
+    """The values of ``RunSpellings`` flags that ask for what is not built."""
+    out = []
+    if args.context_parallel_size != 1:
+        out.append(
+            f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
+            "built (1 only)"
+        )
+    if args.transformer_impl != "local":
+        out.append(f"--transformer-impl {args.transformer_impl}: {_TE}")
+    if args.expert_model_parallel_size != 1:
+        out.append(f"--expert-model-parallel-size {args.expert_model_parallel_size}: {_MOE}")
+    return out
+
+
+def apply(args: argparse.Namespace) -> None:
+    """Set the project's flags that ``RunSpellings`` flags map to."""
+    if args.use_distributed_optimizer and args.zero_stage == 0:
+        args.zero_stage = 1
+
+
+def given_fields(cls: type, given: set[str]) -> list[str]:
+    """The fields of ``cls`` whose flags are among the ``given`` destinations."""
+    return [
+        f.name
+        for f in dataclasses.fields(cls)
+        if flag_name(f) and flag_name(f).lstrip("-").replace("-", "_") in given
+    ]
+
+
+def shown(cls: type, name: str, args: argparse.Namespace) -> str:
+    """``--flag`` or ``--flag value`` as the command line gave it."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    flag = flag_name(f)
+    value = getattr(args, flag.lstrip("-").replace("-", "_"))
+    return flag if isinstance(value, bool) else f"{flag} {value}"
