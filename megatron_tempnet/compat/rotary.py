@@ -4,7 +4,7 @@ megatron-core's ``RotaryEmbedding`` applies LLaMA-3.1's frequency scaling with
 ``rope_scaling=True``, but its constructor passes only the factor to the scaling helper, which
 then uses low_freq_factor 1, high_freq_factor 4 and original_max_position_embeddings 8192
 whatever the model's values. The subclass here takes the inverse frequencies from the caller
-instead (``models.transformer.Llama3RopeScaling`` computes them for any values) and sets
+instead (``models.rope.Llama3RopeScaling`` computes them for any values) and sets
 ``inv_freq``, the instance attribute from which every angle is computed.
 """
 

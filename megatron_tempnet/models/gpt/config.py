@@ -5,7 +5,7 @@ GPT-2: learned absolute positions, LayerNorm, GELU MLP with biases, input and ou
 tied. LLaMA: RoPE, RMSNorm, SwiGLU MLP without biases, untied embeddings, grouped-query attention
 (``num_query_groups`` key/value heads). LLaMA-3 changes the numbers (128256 tokens, RoPE base
 500000, 8 key/value groups at every size); LLaMA-3.1 and 3.2 add RoPE frequency scaling
-(``--use-rope-scaling``, ``models.transformer.Llama3RopeScaling``) and 3.2 ties the embeddings.
+(``--use-rope-scaling``, ``models.rope.Llama3RopeScaling``) and 3.2 ties the embeddings.
 Mistral-7B (v0.3, no sliding window) is the LLaMA computation with its own numbers. All are built
 from megatron-core's layers (``layers``); tensor parallelism splits attention heads, MLP columns
 and the vocabulary as in Megatron-LM.
@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_tempnet.models.rope import Llama3RopeScaling, Rope
 from megatron_tempnet.models.transformer import (
-    Llama3RopeScaling,
     ModelConfigError,
-    Rope,
     TransformerShape,
     padded_vocab_size,
     preset_fields,
