@@ -327,8 +327,10 @@ def test_pipeline_with_recompute_and_bf16(corpus, reference_curve, tmp_path):
 
 
 def test_a_nan_loss_stops_the_run_naming_iteration_and_rank(corpus, tmp_path):
-    r = _pretrain(2, _args(corpus, tmp_path, lr=1e30, **{"clip-grad": 0, "zero-stage": 1}),
-                  check=False)  # fmt: skip
+    # no warm-up: Megatron-LM's starts at --lr-warmup-init (0), which would leave iteration 1's
+    # weights as they were
+    flags = {"clip-grad": 0, "zero-stage": 1, "lr-warmup-fraction": None}
+    r = _pretrain(2, _args(corpus, tmp_path, lr=1e30, **flags), check=False)
     assert r.returncode != 0
     assert "error: iteration 2: the loss is nan (rank 0); stopping" in r.stderr
 
