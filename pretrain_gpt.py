@@ -19,7 +19,6 @@ import warnings
 # NVIDIA apex and Transformer Engine are optional GPU accelerators: their absence is expected.
 warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed")
 
-from megatron_tempnet.inference.checkpoint_io import LayoutFreeWeights  # noqa: E402
 from megatron_tempnet.models.gpt.arguments import build_parser, config_from_args  # noqa: E402
 from megatron_tempnet.models.gpt.task import GPTTask  # noqa: E402
 from megatron_tempnet.trainer.loop import pretrain  # noqa: E402
@@ -29,8 +28,7 @@ from megatron_tempnet.utils.yaml_cfg import parse_with_yaml  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     config = config_from_args(parse_with_yaml(build_parser(), argv))
-    # weights-only conversions (WEIGHTS_ONLY) load at any layout through their module files
-    return pretrain(config, GPTTask(weights_reader=LayoutFreeWeights)).exit_code
+    return pretrain(config, GPTTask()).exit_code
 
 
 if __name__ == "__main__":

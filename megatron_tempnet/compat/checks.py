@@ -123,11 +123,6 @@ def check_deepspeed() -> None:
             "_cast_module_mixed_precision: megatron_tempnet/compat/ must be updated for the "
             "installed version"
         )
-    owner = "deepspeed.PipelineModule"
-    params = ("load_dir", "checkpoint_engine", "strict")
-    _require(PipelineModule, "load_state_dir", params, owner=owner)
-    _require(PipelineModule, "ckpt_layer_path_list", ("ckpt_dir", "local_layer_idx"), owner=owner)
-    _require_assignment(PipelineModule, "__init__", "_grid")
     _require_assignment(PipelineModule, "__init__", "_local_start")
     _require_assignment(PipelineModule, "__init__", "forward_funcs")
     _require_assignment(PipelineModule, "__init__", "tied_modules")
@@ -137,7 +132,7 @@ def check_deepspeed() -> None:
             "megatron_tempnet/compat/ must be updated for the installed version"
         )
     check_deepspeed_optimizers()
-    check_deepspeed_checkpointing()
+    checkpoint_safe_globals()
     if not deepspeed.__version__.startswith(SUPPORTED_DEEPSPEED):
         raise UpstreamError(
             f"DeepSpeed {deepspeed.__version__} is installed, the project is written for "
@@ -170,7 +165,15 @@ def check_deepspeed_optimizers() -> None:
             "installed version: megatron_tempnet/compat/ must be updated for it"
         )
     from deepspeed.utils import mixed_precision_linkage
+    from deepspeed.utils.tensor_fragment import tensor_fragment
 
+    fields = set(getattr(tensor_fragment, "__dataclass_fields__", {}))
+    if not {"lp_fragment_address", "hp_fragment"} <= fields:
+        raise UpstreamError(
+            "deepspeed.utils.tensor_fragment no longer has lp_fragment_address and hp_fragment: "
+            "megatron_tempnet/compat/engines.py must be updated for the installed version"
+        )
+    _require(tensor_fragment, "get_optim_state_fragment", ("key",))
     if "lp_param._hp_mapping = " not in inspect.getsource(mixed_precision_linkage):
         raise UpstreamError(
             "deepspeed.utils.mixed_precision_linkage no longer sets a parameter's _hp_mapping: "
@@ -179,25 +182,12 @@ def check_deepspeed_optimizers() -> None:
     from deepspeed.runtime.zero import partition_parameters
 
     source = inspect.getsource(partition_parameters)
-    if any(a not in source for a in ("ds_shape", "ds_process_group", "ds_tensor")):
+    if any(a not in source for a in ("ds_shape", "ds_process_group", "ds_tensor", "ds_numel")):
         raise UpstreamError(
             "deepspeed.runtime.zero.partition_parameters no longer sets ds_shape, "
             "ds_process_group or ds_tensor: "
             "megatron_tempnet/compat/ must be updated for the installed version"
         )
-
-
-def check_deepspeed_checkpointing() -> None:
-    """What ``checkpoint_engine_class`` overrides and ``checkpoint_safe_globals`` names."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    owner = "deepspeed TorchCheckpointEngine"
-    _require(TorchCheckpointEngine, "save", ("state_dict", "path"), owner=owner)
-    _require(TorchCheckpointEngine, "load", ("path", "map_location"), owner=owner)
-    _require_assignment(TorchCheckpointEngine, "__init__", "zipfile_serialization")
-    _require_assignment(DeepSpeedEngine, "_configure_checkpointing", "checkpoint_engine")
-    checkpoint_safe_globals()
 
 
 def check_upstream() -> None:

@@ -1,4 +1,4 @@
-"""DeepSpeed's engine, checkpoint engine and optimizer wrappers, as the trainer uses them.
+"""DeepSpeed's engine and optimizer wrappers, as the trainer uses them.
 
 **Float32 islands under --bf16 / --fp16.** DeepSpeed's engine casts every parameter of the model
 to the training dtype in ``_cast_module_mixed_precision``. ``engine_class`` gives the engine
@@ -7,8 +7,8 @@ to the training dtype in ``_cast_module_mixed_precision``. ``engine_class`` give
 optimizers and ZeRO 1-2 step them in float32 from then on. ZeRO-3 keeps one dtype for all
 parameters, so there the mark is not honoured (TempNet still computes in float32).
 
-**Checkpoint files** go through ``checkpoint_engine_class`` (the trainer's writer and its
-weights-only loader); ``checkpoint_safe_globals`` names the value classes DeepSpeed's files hold.
+**Checkpoint files** of the earlier format (DeepSpeed's, read by ``tools/checkpoint/upgrade.py``)
+hold a few DeepSpeed value classes: ``checkpoint_safe_globals`` names them.
 
 **Optimizer wrappers**: the PyTorch optimizer inside ZeRO 1-3 and the bf16 optimizer, the tensors
 AdamW keeps state for, and ZeRO-3's partitions.
@@ -17,7 +17,6 @@ AdamW keeps state for, and ZeRO-3's partitions.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
 
@@ -38,33 +37,9 @@ def checkpoint_safe_globals() -> list:
 
 
 @functools.cache
-def checkpoint_engine_class(writer: type, load: Callable) -> type:
-    """DeepSpeed's torch checkpoint engine writing through ``writer(records=True, zipfile=...)``
-    (the trainer's ``FileWriter``: flushed to disk, failures recorded) and loading through
-    ``load(path, map_location)`` (the trainer's ``load_file``: weights only)."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-    class GuardedCheckpointEngine(TorchCheckpointEngine):
-        def __init__(self, config_params=None):
-            super().__init__(config_params)
-            self.writer = writer(records=True, zipfile=self.zipfile_serialization)
-
-        def save(self, state_dict, path: str):
-            self.writer.save(state_dict, path)
-
-        def load(self, path: str, map_location=None):
-            return load(path, map_location)
-
-    return GuardedCheckpointEngine
-
-
-@functools.cache
-def engine_class(
-    pipeline: bool = False, last_stage_backward: bool = False, checkpoint_engine: type | None = None
-) -> type:
+def engine_class(pipeline: bool = False, last_stage_backward: bool = False) -> type:
     """DeepSpeed's engine (``PipelineEngine`` for a pipeline, ``last_stage_backward_engine`` for
-    a forward-only one) that keeps the float32 islands' parameters float32 under bf16/fp16 and
-    reads and writes its files through ``checkpoint_engine`` (``checkpoint_engine_class``'s)."""
+    a forward-only one) that keeps the float32 islands' parameters float32 under bf16/fp16."""
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
@@ -74,11 +49,6 @@ def engine_class(
         base = PipelineEngine if pipeline else DeepSpeedEngine
 
     class Float32IslandEngine(base):
-        def _configure_checkpointing(self, *args, **kwargs):
-            super()._configure_checkpointing(*args, **kwargs)
-            if checkpoint_engine is not None:
-                self.checkpoint_engine = checkpoint_engine(self._config)
-
         def _cast_module_mixed_precision(self, *args, **kwargs):
             kept = {}
             if self.zero_optimization_stage() < 3:  # ZeRO-3 flattens one dtype
@@ -144,3 +114,59 @@ def zero3_local(parameter, value: torch.Tensor) -> torch.Tensor:
     padded = flat.new_zeros(size * dist.get_world_size(group=group))
     padded[: flat.numel()] = flat
     return padded.narrow(0, size * dist.get_rank(group=group), size).clone()
+
+
+def fragment_range(parameter) -> tuple[int, int]:
+    """``(start, numel)`` of this rank's fragment of a ZeRO 1-2 / bf16-optimizer parameter,
+    within the flattened parameter; ``numel`` 0 where its partition holds none of it."""
+    mapping = getattr(parameter, "_hp_mapping", None)
+    if mapping is None:
+        return 0, 0
+    address = mapping.lp_fragment_address
+    return int(address.start), int(address.numel)
+
+
+def fragment_master(parameter) -> torch.Tensor:
+    """The float32 master of this rank's fragment (1-D, a view into the optimizer's partition)."""
+    return parameter._hp_mapping.hp_fragment
+
+
+def fragment_state(parameter, key: str) -> torch.Tensor:
+    """AdamW's ``key`` (``exp_avg``, ``exp_avg_sq``) of this rank's fragment (1-D view)."""
+    return parameter._hp_mapping.get_optim_state_fragment(key)
+
+
+def zero3_range(parameter) -> tuple[int, int]:
+    """``(start, numel)`` of this rank's ZeRO-3 partition within the flattened parameter (its
+    padding past the end left out)."""
+    import torch.distributed as dist
+
+    size = parameter.ds_tensor.numel()
+    start = size * dist.get_rank(group=parameter.ds_process_group)
+    return start, max(0, min(size, parameter.ds_numel - start))
+
+
+def zero3_partition(parameter) -> torch.Tensor:
+    """This rank's ZeRO-3 partition of the parameter's weight (1-D view, padding included)."""
+    return parameter.ds_tensor.view(-1)
+
+
+_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def loss_scale(engine) -> dict | None:
+    """fp16's dynamic loss scaler state (its scale, counters and hysteresis); None without one."""
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is None:
+        return None
+    return {f: float(getattr(scaler, f)) for f in _SCALER_FIELDS if hasattr(scaler, f)}
+
+
+def set_loss_scale(engine, state: dict | None) -> None:
+    """Restore ``loss_scale``'s state (a run without a scaler ignores it)."""
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is None or not state:
+        return
+    for f, value in state.items():
+        current = getattr(scaler, f, None)
+        setattr(scaler, f, type(current)(value) if isinstance(current, (int, float)) else value)

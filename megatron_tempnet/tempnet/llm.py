@@ -188,7 +188,7 @@ class TempNetLM(nn.Module):
     def _gather_weight1(self) -> torch.Tensor:
         w1 = self.weight1.detach()
         if self.tp.size == 1 or w1.dim() != 2 or w1.shape[-1] != self.part.n_true:
-            return w1  # not here whole (a ZeRO-3 partition: checkpoints keep it in portable/)
+            return w1  # not here whole (a ZeRO-3 partition: checkpoints save it in place)
         padded = w1.new_zeros(w1.shape[0], self.partition_size)
         padded[:, : self.part.n_true] = w1
         return self.tp.all_gather(padded, dim=1)[:, : self.vocab_size]

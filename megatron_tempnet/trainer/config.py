@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_tempnet.trainer.checkpoint_format import DIGESTS
+
 # the error every config check raises, importable from here as before
 from megatron_tempnet.trainer.errors import ConfigError as ConfigError
 from megatron_tempnet.trainer.schedule import (
@@ -225,6 +227,19 @@ class CheckpointConfig:
     exit_on_missing_checkpoint: bool = False
     """With --load: stop with an error when it holds no checkpoint, instead of starting from
     scratch."""
+    ckpt_format: str = option("torch_dist", choices=("torch_dist",))
+    """The checkpoint format: torch_dist, each rank writing its own share of the weights,
+    float32 masters and AdamW moments (sharded on torch.distributed.checkpoint), loadable at
+    any layout. Megatron-LM's other formats (torch, torch_dcp, fsdp_dtensor) are not
+    written."""
+    async_save: bool = False
+    """Write checkpoints in the background: the state is copied to host memory (pinned on
+    CUDA) and training goes on while every rank writes its share; the checkpoint becomes
+    'latest' only once every rank's write is done. A stop request or the end of the run waits
+    for a running write."""
+    ckpt_digest: str = option("xxh3_128", choices=DIGESTS)
+    """The digest recorded for every checkpoint file (each rank digests what it writes, as it
+    writes it) and checked before a file is read: xxh3_128 (tens of GB/s) or sha256."""
     use_checkpoint_args: bool = False
     """Take the model's architecture from the newest checkpoint in --load (the config saved with
     it): its structure always, its sizes where the command line gives none; with no checkpoint

@@ -20,7 +20,6 @@ from megatron_tempnet.distributed.launch import bind_device
 from megatron_tempnet.distributed.mpu import MegatronMPU
 from megatron_tempnet.trainer import communication
 from megatron_tempnet.trainer.config import ConfigError, OptimizerConfig, RunConfig
-from megatron_tempnet.trainer.file_io import FileWriter, load_file
 from megatron_tempnet.trainer.step import deepspeed_clips_grad_norm
 from megatron_tempnet.trainer.task import ParamGroup, TrainModel
 from megatron_tempnet.utils.logging import log_rank0
@@ -194,13 +193,11 @@ def build_engine(model: TrainModel, config: RunConfig, world_size: int):
     pipeline = isinstance(module, PipelineModule)
     forward_only = pipeline and getattr(module, "forward_only", False)
     # what deepspeed.initialize does, with an engine class that keeps TempNet float32 under
-    # --bf16 and writes and reads checkpoint files through trainer.file_io
-    # (compat.engine_class); a pipeline brings its own grid as the mpu
+    # --bf16 (compat.engine_class); a pipeline brings its own grid as the mpu
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     mpu = module.mpu() if pipeline else MegatronMPU()
-    files = compat.checkpoint_engine_class(FileWriter, load_file)
     device = bind_device()  # DeepSpeed would take LOCAL_RANK, wrong with one GPU per task
-    engine = compat.engine_class(pipeline, forward_only, files)(
+    engine = compat.engine_class(pipeline, forward_only)(
         args=None if device is None else SimpleNamespace(device_rank=device),
         model=module,
         optimizer=optimizer,

@@ -7,10 +7,10 @@ skips the writes after it instead of raising: a rank whose disk filled up still 
 the save's collectives, and the ranks agree on the outcome at the end (``trainer.checkpoint``).
 
 ``load_file`` is ``torch.load(weights_only=True)``: tensors, containers, numbers and strings,
-plus the few DeepSpeed value classes its own files hold (``compat.checkpoint_safe_globals``). A
-file whose unpickling would call anything else (a planted ``os.system``) is refused, named,
-before anything in it runs. Every checkpoint file the project reads goes through it, DeepSpeed's
-included (``compat.checkpoint_engine_class``).
+plus the few DeepSpeed value classes the earlier format's files hold
+(``compat.checkpoint_safe_globals``, for ``tools/checkpoint/upgrade.py``). A file whose
+unpickling would call anything else (a planted ``os.system``) is refused, named, before anything
+in it runs. Every pickled file the project reads goes through it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import errno
 import os
 import pickle
 import re
+from collections.abc import Callable
+from typing import BinaryIO
 
 import torch
 
@@ -47,6 +49,10 @@ class FileWriter:
         """``torch.save(obj)`` to ``path``, flushed to disk."""
         self._write(path, lambda f: torch.save(obj, f, _use_new_zipfile_serialization=self.zipfile))
 
+    def stream(self, path: str, write: Callable[[BinaryIO], object]) -> None:
+        """``write(f)`` to the open file ``path``, flushed to disk."""
+        self._write(path, write)
+
     def write_text(self, path: str, text: str) -> None:
         self._write(path, lambda f: f.write(text.encode("utf-8")))
 
@@ -58,6 +64,8 @@ class FileWriter:
                 write(f)
                 f.flush()
                 os.fsync(f.fileno())
+        except CheckpointError:  # the data could not be made (a source refused): not a write error
+            raise
         except (OSError, RuntimeError) as e:
             self.failure = describe_error(path, e)
             if not self.records:

@@ -15,13 +15,8 @@ import torch.distributed as dist
 
 from megatron_tempnet.data.loader import DataState, ResumableLoader, dataset_fingerprint
 from megatron_tempnet.distributed.launch import launch_environment
-from megatron_tempnet.trainer.checkpoint import load_checkpoint, save_checkpoint
-from megatron_tempnet.trainer.checkpoint_format import (
-    CONFIG,
-    CONFIG_YAML,
-    CheckpointError,
-    latest_tag,
-)
+from megatron_tempnet.trainer.checkpoint_format import CONFIG, CONFIG_YAML, CheckpointError
+from megatron_tempnet.trainer.checkpointer import Checkpointer
 from megatron_tempnet.trainer.config import RunConfig
 from megatron_tempnet.trainer.engine import build_engine, init_process_groups
 from megatron_tempnet.trainer.metrics import RunLogger, memory_mb
@@ -31,7 +26,7 @@ from megatron_tempnet.trainer.run_lock import RunLock
 from megatron_tempnet.trainer.schedule import LRSchedule, TrainSchedule
 from megatron_tempnet.trainer.stats import read_step
 from megatron_tempnet.trainer.step import check_finite, compute_device
-from megatron_tempnet.trainer.task import Task, TaskData, TrainModel
+from megatron_tempnet.trainer.task import Task, TaskData
 from megatron_tempnet.utils.logging import log_rank0
 from megatron_tempnet.utils.yaml_cfg import config_yaml
 
@@ -75,7 +70,8 @@ def _train(
     data = task.build_data(config, inputs)
     model = task.build_model(config, data)
     engine, optimizer = build_engine(model, config, world_size)
-    start, data_state, schedule_state = _resume(engine, config, data, model)
+    checkpointer = Checkpointer(engine, model, config)
+    start, data_state, schedule_state = _resume(checkpointer, data)
     _save_config(config)
     t, ckpt = config.training, config.checkpoint
     loader = ResumableLoader(
@@ -138,7 +134,7 @@ def _train(
         # Megatron-LM's rule: a checkpoint before the ramp changes the number of micro-batches
         ramps = schedule.batches.batch_size(loader.state().consumed_samples) != batch
         if ckpt.save and (result.stopped or _should_save(iteration, config) or ramps):
-            _save(engine, config, iteration, loader, data, model, schedule)
+            _save(checkpointer, config, iteration, loader, data, schedule)
         if result.stopped:
             log_rank0(
                 "%s: stopped after iteration %d at a checkpoint; exit status %d asks for a requeue",
@@ -154,6 +150,7 @@ def _train(
         # a stopped run keeps ignoring SIGTERM until it exits: srun --kill-on-bad-exit sends it
         # to the ranks still shutting down when the first one exits with EXIT_REQUEUE
         requests.restore()
+    checkpointer.wait()  # a background save finishes before the run exits (a stop request too)
     hooks.close()
     run_log.close()
     dist.barrier()
@@ -189,82 +186,36 @@ def _should_save(iteration: int, config: RunConfig) -> bool:
     return bool(periodic or iteration == end or iteration == ckpt.exit_interval)
 
 
-def _resume(
-    engine, config: RunConfig, data: TaskData, model: TrainModel
-) -> tuple[int, DataState, dict | None]:
+def _resume(checkpointer: Checkpointer, data: TaskData) -> tuple[int, DataState, dict | None]:
     """The iteration, data position and schedule state to start from (0, the start and None
-    without --load)."""
-    ckpt = config.checkpoint
+    without a checkpoint to resume)."""
     start, data_state = 0, DataState(0, dataset_fingerprint(data.train))
-    schedule_state = None
-    fresh = ckpt.load and latest_tag(ckpt.load) is None
-    reshard = {"tensor_layout": model.tensor_layout, "weights_reader": model.weights_reader}
-    if ckpt.pretrained_checkpoint and (fresh or model.frozen_from_pretrained):
-        # a fresh run starts from these weights; a frozen-LM run re-reads its LM every time
-        log_rank0(
-            "%s: loading --pretrained-checkpoint %s",
-            "no checkpoint in --load yet" if fresh else "the frozen LM",
-            ckpt.pretrained_checkpoint,
-        )
-        load_checkpoint(
-            engine,
-            ckpt.pretrained_checkpoint,
-            weights_only=True,
-            load_optimizer=False,
-            optional=model.optional,
-            flag="--pretrained-checkpoint",
-            fallback=ckpt.load_fallback,
-            **reshard,
-        )
-    if ckpt.load and not (fresh and ckpt.pretrained_checkpoint):
-        client = load_checkpoint(
-            engine,
-            ckpt.load,
-            weights_only=ckpt.finetune,
-            load_optimizer=not ckpt.no_load_optim,
-            optional=model.optional,
-            frozen_loaded=model.frozen_from_pretrained,
-            global_batch_size=config.training.global_batch_size,
-            fallback=ckpt.load_fallback,
-            load_rng=not ckpt.no_load_rng,
-            require=ckpt.exit_on_missing_checkpoint,
-            **reshard,
-        )
-        if client is not None:
-            start = int(client["iteration"])
-            data_state = DataState.from_state_dict(client["data"], data.train)
-            schedule_state = client.get("schedule")
-            if data.rank_state is not None and "rank_states" in client:  # another layout
-                data.rank_state.load_state_dicts(client["rank_states"])
-            elif data.rank_state is not None:
-                data.rank_state.load_state_dict(client.get("rank_state"))
-    return start, data_state, schedule_state
+    client = checkpointer.resume()
+    if client is None:
+        return start, data_state, None
+    data_state = DataState.from_state_dict(client["data"], data.train)
+    if data.rank_state is not None and "rank_states" in client:  # another layout
+        data.rank_state.load_state_dicts(client["rank_states"])
+    elif data.rank_state is not None:
+        data.rank_state.load_state_dict(client.get("rank_state"))
+    return int(client["iteration"]), data_state, client.get("schedule")
 
 
 def _save(
-    engine,
+    checkpointer: Checkpointer,
     config: RunConfig,
     iteration: int,
     loader,
     data: TaskData,
-    model: TrainModel,
     schedule: TrainSchedule,
-):
+) -> None:
     client = {
         "data": loader.state().state_dict(),
         "schedule": schedule.state_dict(),
         "config": json.loads(config.to_json()),
     }
-    save_checkpoint(
-        engine,
-        config.checkpoint.save,
-        iteration,
-        client,
-        keep_last=config.checkpoint.keep_last,
-        exclude_frozen=model.frozen_from_pretrained,
-        rank_state=None if data.rank_state is None else data.rank_state.state_dict(),
-        tensor_layout=model.tensor_layout,
-    )
+    rank_state = None if data.rank_state is None else data.rank_state.state_dict()
+    checkpointer.save(iteration, client, rank_state)
 
 
 def _save_config(config: RunConfig) -> None:

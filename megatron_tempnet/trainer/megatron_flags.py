@@ -26,10 +26,6 @@ _FP8 = "FP8 training (Transformer Engine) is not built: use --bf16"
 _TE = "Transformer Engine is not used: the layers are megatron-core's local ones"
 _VPP = "interleaved (virtual) pipeline stages are not built: one pipeline stage per rank"
 _MLA = "multi-latent attention is not built"
-_CKPT = (
-    "checkpoints are written in DeepSpeed's format (per-rank files, loadable at any layout): "
-    "leave --ckpt-format out"
-)
 
 REFUSED: dict[str, str] = {
     "--num-experts": _MOE,
@@ -42,7 +38,6 @@ REFUSED: dict[str, str] = {
     "--q-lora-rank": _MLA,
     "--kv-lora-rank": _MLA,
     "--rotary-interleaved": "interleaved RoPE is not built (rotary over halves, LLaMA's)",
-    "--ckpt-format": _CKPT,
     "--decoupled-lr": "a separate learning rate for the embeddings is not built",
     "--decoupled-min-lr": "a separate learning rate for the embeddings is not built",
     "--use-legacy-models": "the layers are megatron-core's (Megatron-LM's legacy models are not)",
@@ -103,6 +98,18 @@ class RunSpellings:
     tiktoken_pattern: str | None = None
     """Megatron-LM: TikTokenizer's split pattern. Here: no effect (TikTokenizer is not built;
     NullTokenizer ignores it as in Megatron-LM)."""
+    ckpt_fully_parallel_save: bool = option(True, name="--no-ckpt-fully-parallel-save")
+    """Megatron-LM: write the checkpoint from the first data-parallel rank only. Here: no effect
+    (every rank writes its own share, in parallel, always)."""
+    ckpt_fully_parallel_load: bool = False
+    """Megatron-LM: share the reading of a checkpoint over the data-parallel ranks. Here: always
+    (each rank reads only what it holds)."""
+    use_persistent_ckpt_worker: bool = False
+    """Megatron-LM: a persistent worker for --async-save. Here: no effect (each rank's
+    background write runs in a thread of its own process)."""
+    ckpt_assume_constant_structure: bool = False
+    """Megatron-LM: reuse the save plan of the previous save. Here: no effect (a save plan
+    is made for every save)."""
 
 
 def notes(args: argparse.Namespace, given: set[str]) -> list[str]:

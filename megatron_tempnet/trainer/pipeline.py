@@ -14,14 +14,13 @@
 from __future__ import annotations
 
 import torch
+from deepspeed.pipe import PipelineModule
 from torch import nn
 
-from megatron_tempnet import compat
 from megatron_tempnet.trainer.step import clip_grad_norm_, compute_device
-from megatron_tempnet.utils.logging import get_logger
 
 
-class Pipeline(compat.pipeline_module_base()):
+class Pipeline(PipelineModule):
     """``PipelineModule(layers, ...)`` plus ``optional`` ({state-dict prefix: what it is}) and
     ``forward_only``.
 
@@ -40,7 +39,6 @@ class Pipeline(compat.pipeline_module_base()):
         super().__init__(*args, **kwargs)
         self.optional = dict(optional or {})
         self.forward_only = forward_only
-        self.weights_only_load = False  # set by the trainer before a load
 
     def forward(self, forward_input):
         if self.forward_only:  # a received activation asks for gradients that nobody will use
@@ -66,29 +64,6 @@ class Pipeline(compat.pipeline_module_base()):
         placeholder = nn.Parameter(torch.zeros(1, device=device))
         self.register_parameter(f"{name}_group_placeholder", placeholder)
         return placeholder
-
-    def _optional_last_piece(self) -> str | None:
-        """What the last piece is, when all its parameters are optional; else None."""
-        pieces = compat.pipeline_pieces(self)
-        if not pieces or not isinstance(pieces[-1], nn.Module):
-            return None
-        names = [n for n, _ in pieces[-1].named_parameters()]
-        for prefix, what in self.optional.items():
-            if names and all(n.startswith(prefix) for n in names):
-                return what
-        return None
-
-    def skip_last_piece_on_load(self, load_dir: str) -> bool:
-        """A weights-only load from a checkpoint without the (optional) last piece."""
-        what = self._optional_last_piece() if self.weights_only_load else None
-        last = len(compat.pipeline_pieces(self)) - 1
-        if what is None or compat.pipeline_layer_files(self, load_dir, last):
-            return False
-        if compat.is_stage_writer(self):  # the last stage's first rank: not rank 0
-            get_logger().info(
-                "%s starts from its initialisation: %s has no %s", what, load_dir, what
-            )
-        return True
 
 
 def _detached(x):

@@ -84,14 +84,10 @@ class TrainModel:
     """Frozen parameters are left out of the checkpoints: every resume reads them again from
     --pretrained-checkpoint (TempNet on a frozen LM: the checkpoint holds TempNet only)."""
     tensor_layout: TensorLayout | None = None
-    """How the split tensors are cut (``distributed.sharding``): checkpoints carry a layout-free
-    copy and resume at any layout. None: only at the layout that saved them."""
+    """How the split tensors are cut (``distributed.sharding``): the checkpoints' global
+    tensors (``trainer.sharded_state``) need it."""
     engine_config: dict = field(default_factory=dict)
     """DeepSpeed config entries the model needs, over the run's (``{"pipeline": {...}}``)."""
-    weights_reader: Callable[[str], Any] | None = None
-    """``reader(checkpoint_directory)``: the module files' full tensors under the layout-free
-    names (``tensor_parallel``, ``pipeline``, ``names()``, ``in``, ``full(name)``,
-    ``has(name, key)``), for weights-only loads of conversions made at another layout."""
     flops_per_sample: float | None = None
     """Training FLOPs of one sample, forward and backward, over the whole model
     (--log-throughput); None: the task has no count."""

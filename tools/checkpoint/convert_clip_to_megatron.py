@@ -20,8 +20,7 @@ import sys
 
 import torch
 
-from megatron_tempnet.distributed.sharding import shard_tensor, tensor_kind
-from megatron_tempnet.inference.checkpoint_io import write_model_flags, write_module_checkpoint
+from megatron_tempnet.inference.checkpoint_io import write_model_flags, write_weights
 from megatron_tempnet.inference.hf_weights import HFWeights
 from megatron_tempnet.models.clip import pretrained
 from megatron_tempnet.models.clip.config import CLIPModelConfig
@@ -118,25 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     model.validate(args.tp)
     padded, cast = model.padded_vocab_size(args.tp), DTYPES.get(args.dtype, torch.float32)
 
-    # megatron-core's linear layers keep an (empty) extra state in their state dicts
-    linears = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
-    extra = {n.removesuffix("weight") + "_extra_state": None for n in full if n.endswith(linears)}
-
-    def module_of_rank(rank: int) -> dict:
-        return {
-            name: shard_tensor(tensor_kind(name, swiglu=False), value, rank, args.tp,
-                               padded_vocab=padded).to(cast if name != "log_tau" else torch.float32)
-            for name, value in full.items()
-        } | extra  # fmt: skip
-
     source = os.path.abspath(args.hf_dir or args.open_clip_checkpoint)
-    path = write_module_checkpoint(
+    path = write_weights(
         args.save,
-        module_of_rank,
-        tensor_parallel=args.tp,
+        ((name, lambda v=value, n=name: v.to(cast if n != "log_tau" else torch.float32))
+         for name, value in full.items()),
+        len(full),
         config={"model": model.__dict__.copy(), "converted_from": source},
         note=f"Weights only, converted from {source}.\n",
-    )
+    )  # fmt: skip
     flags = write_model_flags(args.save, model_flags(fields))
     print(
         f"wrote {path} (TP {args.tp}, vocabulary {fields['vocab_size']} padded to {padded}); "

@@ -10,22 +10,24 @@ Megatron-LM's rule, in this project's fields:
   its epsilon, biases, activation, tied embeddings, the vocabulary and its padding). Always the
   checkpoint's.
 
-The config is the checkpoint's own (``portable/index.json``, or the DeepSpeed ``mp_rank_00``
-file of a checkpoint without a portable copy), taken from the newest complete checkpoint that
-``latest`` names. Without a checkpoint in --load the command line's architecture is used and a
-line says so (Megatron-LM's rule), unless --exit-on-missing-checkpoint makes it an error.
+The config is the checkpoint's own (its ``train_state.json``), taken from the newest complete
+checkpoint that ``latest`` names. Without a checkpoint in --load the command line's
+architecture is used and a line says so (Megatron-LM's rule), unless
+--exit-on-missing-checkpoint makes it an error.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 from megatron_tempnet.models.gpt.config import ModelConfig
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError, is_complete, latest_tag
-from megatron_tempnet.trainer.file_io import load_file
-from megatron_tempnet.trainer.portable import DIRECTORY, INDEX
+from megatron_tempnet.trainer.checkpoint_format import (
+    CheckpointError,
+    is_complete,
+    latest_tag,
+    read_train_state,
+)
 
 SHAPE = (
     "num_layers",
@@ -69,18 +71,7 @@ def saved_run_config(load_dir: str) -> tuple[str, dict] | None:
     directory = os.path.join(load_dir, tag)
     if not is_complete(directory):
         raise CheckpointError(f"--load {load_dir}: {tag}, which 'latest' names, is incomplete")
-    index = os.path.join(directory, DIRECTORY, INDEX)
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                config = json.load(f).get("config")
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"--load {load_dir}: {index} cannot be read ({e})") from None
-    else:
-        states = os.path.join(directory, "mp_rank_00_model_states.pt")
-        if not os.path.isfile(states):
-            raise CheckpointError(f"--load {load_dir}: {tag} has neither {index} nor {states}")
-        config = load_file(states, mmap=True).get("config")
+    config = read_train_state(directory, f"--load {load_dir}").get("config")
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise CheckpointError(
             f"--load {load_dir}: {tag} carries no model config: --use-checkpoint-args cannot read "

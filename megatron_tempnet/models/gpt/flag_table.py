@@ -50,7 +50,6 @@ DEFAULTS_THAT_DIFFER = [
         "GPT2BPETokenizer when --vocab-file and --merge-file are given (said at start-up)",
         "none (an error)",
     ),
-    ("--ckpt-format", "DeepSpeed's per-rank files (the flag is refused)", "torch_dist"),
 ]
 
 

@@ -36,13 +36,14 @@ from megatron_tempnet.models.transformer import seed_rngs
 from megatron_tempnet.tempnet import TempNetLM
 from megatron_tempnet.trainer.checkpoint_format import (
     FROZEN_LM_EXCLUDED,
+    TRAIN_STATE,
     CheckpointError,
     has_marker,
     latest_tag,
+    read_train_state,
 )
 from megatron_tempnet.trainer.config import ConfigError, RunConfig, TrainingConfig
 from megatron_tempnet.trainer.engine import model_and_own_groups
-from megatron_tempnet.trainer.file_io import load_file
 from megatron_tempnet.trainer.step import step_max_grad_norm
 from megatron_tempnet.trainer.task import ParamGroup, TaskData, TrainModel
 from megatron_tempnet.trainer.validation import validate_run
@@ -119,12 +120,12 @@ def _check_norm_weights(config: GPTRunConfig) -> None:
     sources = {"--load": ckpt.load, "--pretrained-checkpoint": ckpt.pretrained_checkpoint}
     for flag, directory in sources.items():
         tag = latest_tag(directory) if directory else None
-        path = os.path.join(directory or "", tag or "", "mp_rank_00_model_states.pt")
-        if tag is None or not os.path.isfile(path):
+        path = os.path.join(directory or "", tag or "")
+        if tag is None or not os.path.isfile(os.path.join(path, TRAIN_STATE)):
             continue
         try:
-            saved = (load_file(path, mmap=True).get("config") or {}).get("model", {})
-        except Exception:  # a damaged file: the load names it (and offers --load-fallback)
+            saved = (read_train_state(path, flag).get("config") or {}).get("model") or {}
+        except CheckpointError:  # a damaged file: the load names it (and offers --load-fallback)
             continue
         saved_one_p = saved.get("apply_layernorm_1p", one_p)  # older checkpoints: not recorded
         if saved_one_p != one_p:
@@ -175,14 +176,9 @@ PIPELINE_ENGINE = {"pipeline": {"pipe_partitioned": False, "grad_partitioned": F
 
 
 class GPTTask:
-    """The GPT family's part of a run (``trainer.task.Task``). ``weights_reader``: the reader
-    of weights-only conversions at another layout (``inference.checkpoint_io``'s
-    ``LayoutFreeWeights``, which ``pretrain_gpt.py`` passes; None: they load at their own)."""
+    """The GPT family's part of a run (``trainer.task.Task``)."""
 
     evaluate_at_end = False
-
-    def __init__(self, weights_reader=None):
-        self.weights_reader = weights_reader
 
     def prepare(self, config: GPTRunConfig, world_size: int):
         """The tokenizer (which decides the vocabulary size); every flag checked, and every
@@ -222,7 +218,6 @@ class GPTTask:
             optional={"tempnet.": "TempNet"},
             frozen_from_pretrained=_frozen_from_pretrained(config),
             tensor_layout=TensorLayout(m.vocab_size, m.padded_vocab_size(tp), m.swiglu),
-            weights_reader=self.weights_reader,
             engine_config=PIPELINE_ENGINE
             if config.parallel.pipeline_model_parallel_size > 1
             else {},
