@@ -121,7 +121,7 @@ def _rng_streams_across_runtimes() -> dict:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     from megatron_tempnet.models.transformer import seed_rngs
-    from megatron_tempnet.trainer.checkpoint import _rng_state, _set_rng_state
+    from megatron_tempnet.trainer.rng_state import rng_state, set_rng_state
 
     compat.apply_cpu_support()
     from megatron.core import parallel_state
@@ -129,10 +129,10 @@ def _rng_streams_across_runtimes() -> dict:
     parallel_state.initialize_model_parallel()
     tracker = get_cuda_rng_tracker()
     seed_rngs(3)
-    saved = _rng_state()
+    saved = rng_state()
     with tracker.fork():
         first = torch.rand(4)
-    _set_rng_state(saved)  # the same runtime: the streams continue exactly
+    set_rng_state(saved)  # the same runtime: the streams continue exactly
     with tracker.fork():
         again = torch.rand(4)
     seed_rngs(3)
@@ -140,7 +140,7 @@ def _rng_streams_across_runtimes() -> dict:
     philox = torch.zeros(16, dtype=torch.uint8)
     gpu_file = {"torch": saved["torch"], "tracker": dict.fromkeys(saved["tracker"], philox),
                 "cuda": philox}  # fmt: skip
-    _set_rng_state(gpu_file)
+    set_rng_state(gpu_file)
     with tracker.fork():  # set_rng_state refused a CUDA state here before
         fresh = torch.rand(4)
     return {"runtime": saved["runtime"], "again": torch.equal(first, again),

@@ -9,6 +9,7 @@ exported model's logits equal ours) and the import subtracts it again. A checkpo
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -141,15 +142,14 @@ def test_a_checkpoint_loads_only_with_its_own_norm_weights(tmp_path):
     do not record the flag, load)."""
     from megatron_tempnet.models.gpt.task import validate_gpt
     from megatron_tempnet.trainer.checkpoint_format import publish_latest
+    from megatron_tempnet.trainer.checkpoint_writer import TRAIN_STATE
     from megatron_tempnet.trainer.config import ConfigError
 
     for saved, name in ((True, "one-p"), (False, "plain"), (None, "older")):
         os.makedirs(tmp_path / name / "iter_0000002")
         model = {} if saved is None else {"apply_layernorm_1p": saved}
-        torch.save(
-            {"config": {"model": model}},
-            tmp_path / name / "iter_0000002" / "mp_rank_00_model_states.pt",
-        )
+        state = {"format": 2, "iteration": 2, "config": {"model": model}}
+        (tmp_path / name / "iter_0000002" / TRAIN_STATE).write_text(json.dumps(state))
         publish_latest(str(tmp_path / name), "iter_0000002")
     validate_gpt(_run_config(True, str(tmp_path / "one-p")), 1)
     validate_gpt(_run_config(False, str(tmp_path / "plain")), 1)

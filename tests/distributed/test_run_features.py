@@ -12,6 +12,8 @@ on a real DeepSpeed engine (one gloo rank):
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import os
 import socket
 from datetime import timedelta
@@ -130,33 +132,40 @@ def test_micro_batch_gradients_add_up_in_float32_under_bf16(reduce_in_bf16):
 
 
 def _load_flags(save_dir: str, empty_dir: str) -> dict:
-    from megatron_tempnet.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_tempnet.distributed.sharding import TensorLayout
     from megatron_tempnet.trainer.checkpoint_format import CheckpointError
+    from megatron_tempnet.trainer.checkpointer import Checkpointer
     from megatron_tempnet.trainer.engine import build_engine, decay_groups, init_process_groups
     from megatron_tempnet.trainer.task import TrainModel
 
     config = _config()
     init_process_groups(config)
     module = torch.nn.Linear(4, 4)
-    engine, _ = build_engine(TrainModel(module, decay_groups("lm", module.parameters(), 1e-3,
-                                                              0.0, 0.0)), config, 1)  # fmt: skip
+    model = TrainModel(module, decay_groups("lm", module.parameters(), 1e-3, 0.0, 0.0),
+                       tensor_layout=TensorLayout(100, 100))  # fmt: skip
+    engine, _ = build_engine(model, config, 1)
+
+    def checkpointer(**flags) -> Checkpointer:
+        run = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint,
+                                                                         **flags))  # fmt: skip
+        return Checkpointer(engine, model, run)
+
     torch.manual_seed(11)
     saved = torch.get_rng_state()
-    save_checkpoint(engine, save_dir, 2, {"data": None}, rank_state={"mine": 5})
+    client = {"data": None, "config": json.loads(config.to_json())}
+    checkpointer(save=save_dir).save(2, client, rank_state={"mine": 5})
     out = {}
     for load_rng in (False, True):
         torch.manual_seed(12)
         before = torch.get_rng_state()
-        client = load_checkpoint(engine, save_dir, weights_only=False, load_optimizer=True,
-                                 load_rng=load_rng)  # fmt: skip
+        client = checkpointer(load=save_dir, no_load_rng=not load_rng).resume()
         now = torch.get_rng_state()
         out[load_rng] = (torch.equal(now, before), torch.equal(now, saved), client["rank_state"])
     errors = []
     for directory in (empty_dir, os.path.join(empty_dir, "missing")):
-        assert load_checkpoint(engine, directory, weights_only=False, load_optimizer=True) is None
+        assert checkpointer(load=directory).resume() is None
         try:
-            load_checkpoint(engine, directory, weights_only=False, load_optimizer=True,
-                            require=True)  # fmt: skip
+            checkpointer(load=directory, exit_on_missing_checkpoint=True).resume()
         except CheckpointError as e:
             errors.append(str(e))
     out["errors"] = errors

@@ -233,13 +233,15 @@ def _train(case: dict, save_dir: str | None) -> dict:
 def _generation_logits(engine, config, model, save_dir: str) -> tuple:
     """Logits of the trained module (sequence parallel) and of the inference model loaded from
     its checkpoint (built without sequence parallelism, as generation builds it)."""
+    import dataclasses
     import json
 
     from megatron_tempnet.inference.model import load_inference_model
-    from megatron_tempnet.trainer.checkpoint import save_checkpoint
+    from megatron_tempnet.trainer.checkpointer import Checkpointer
 
+    saving = dataclasses.replace(config.checkpoint, save=save_dir)
     client = {"config": json.loads(config.to_json()), "data": {}}
-    save_checkpoint(engine, save_dir, ITERS, client, tensor_layout=model.tensor_layout)
+    Checkpointer(engine, model, dataclasses.replace(config, checkpoint=saving)).save(ITERS, client)
     inference = load_inference_model(save_dir)
     assert not inference.lm.sequence_parallel
     tokens, positions = _tokens(seed=4)

@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 
-from megatron_tempnet.trainer.portable import PortableState
 from tests.e2e.test_pretrain import _args as _pretrain_args
 from tests.e2e.test_pretrain import _curve, _pretrain
+from tests.helpers.checkpoints import global_tensors, weights
 from tests.helpers.corpus import blend_corpus
 
 
@@ -43,16 +43,21 @@ def runs(corpus, tmp_path_factory):
     return {"straight": straight, "half": half, "tmp": tmp}
 
 
-def _final_state(save_dir) -> PortableState:
-    tag = (save_dir / "latest").read_text().strip()
-    return PortableState(str(save_dir / tag))
+def _final_state(save_dir) -> dict[str, torch.Tensor]:
+    """The newest checkpoint's full tensors: ``weight/{name}`` (the float32 master where one was
+    saved) and AdamW's moments ``exp_avg/{name}``, ``exp_avg_sq/{name}``."""
+    state = {f"weight/{name}": t for name, t in weights(save_dir).items()}
+    for moment in ("exp_avg/", "exp_avg_sq/"):
+        state.update(global_tensors(save_dir, prefix=moment))
+    return state
 
 
-def _assert_same_tensors(a: PortableState, b: PortableState, names=None):
-    names = names or a.names()
-    assert sorted(names) == sorted(n for n in b.names() if n in names)
+def _assert_same_tensors(a: dict, b: dict, names=None):
+    names = names or list(a)
+    assert sorted(names) == sorted(n for n in b if n in names)
     for name in names:  # relative error of the tensor (Frobenius): float32 sums in other orders
-        x, y = a.full(name).double(), b.full(name).double()
+        x, y = a[name].double(), b[name].double()
+        assert x.shape == y.shape, name
         assert float((x - y).norm()) <= 1e-5 * float(y.norm()), name
 
 
@@ -83,7 +88,7 @@ def test_a_checkpoint_resumes_at_another_layout_exactly(runs, corpus, tmp_path, 
     shutil.copytree(runs["half"], run)
     out = _pretrain(nproc, _args(corpus, runs["tmp"], **NO_EVAL, **flags, **{
         "load": run, "save": run, "metrics-file": tmp_path / "m.jsonl"}))  # fmt: skip
-    assert "resharding from TP 2 x PP 1 x DP 2 (ZeRO 1) to" in out.stderr
+    assert "resharded from TP 2 x PP 1 x DP 2 (ZeRO 1) to" in out.stderr
     assert "RNG streams are not carried across a layout change" in out.stderr
     _assert_same_curve(_curve(tmp_path / "m.jsonl"), _curve(runs["straight"] / "m.jsonl"), 6)
     _assert_same_tensors(_final_state(run), _final_state(runs["straight"]))
@@ -97,7 +102,10 @@ def test_finetune_reads_a_checkpoint_of_another_layout(runs, corpus, tmp_path):
         out = _pretrain(nproc, _args(corpus, runs["tmp"], **NO_EVAL, **flags, **{
             "load": runs["half"], "finetune": True, "train-iters": 2,
             "metrics-file": metrics}))  # fmt: skip
-        assert ("resharding from" in out.stderr) == (nproc == 1)
+        # the weights are read (layout-free) at either layout: not two runs from scratch
+        assert f"loaded weights from {runs['half'] / 'iter_0000005'} (--finetune --load)" in (
+            out.stderr
+        )
         curves.append(_curve(metrics))
     _assert_same_curve(curves[1], curves[0], 1)
 
@@ -143,12 +151,14 @@ def test_a_frozen_lm_checkpoint_resumes_at_another_layout(frozen_runs, corpus, s
         saved.get("tensor-model-parallel-size", 1),
         saved.get("pipeline-model-parallel-size", 1),
     )
-    assert f"--pretrained-checkpoint {lm}: resharding from TP 2 to TP 1 x PP 1" in out.stderr
-    assert f"--load {run}: resharding from TP {tp} x PP {pp} x DP 1" in out.stderr
+    # the frozen LM is read again from the conversion (written for TP 2) at TP 1 x PP 1
+    assert f"the frozen LM: loading --pretrained-checkpoint {lm}" in out.stderr
+    assert f"loaded weights from {lm / 'iter_0000000'} (--pretrained-checkpoint)" in out.stderr
+    assert f"--load {run}: resharded from TP {tp} x PP {pp} x DP 1" in out.stderr
     straight = frozen_runs["straight"]
     _assert_same_curve(_curve(run / "m.jsonl"), _curve(straight / "m.jsonl"), 4)
     a, b = _final_state(run), _final_state(straight)
-    assert a.names() == [n for n in a.names() if n.startswith("tempnet.")]
+    assert a and all(n.split("/", 1)[1].startswith("tempnet.") for n in a)  # no frozen LM
     _assert_same_tensors(a, b)
 
 
@@ -162,7 +172,9 @@ def test_a_zero3_checkpoint_exports_like_a_zero1_one(runs, corpus, tmp_path):
     _pretrain(4, _args(corpus, runs["tmp"], **NO_EVAL, **{
         "tensor-model-parallel-size": 2, "zero-stage": 3, "load": runs["half"], "finetune": True,
         "train-iters": 1, "lr": 0.0, "min-lr": 0.0, "save": zero3}))  # fmt: skip
-    assert not list((zero3 / "iter_0000001").glob("mp_rank_*"))  # no module files: ZeRO-3
+    # ZeRO-3's partitions saved the same weights as ZeRO 1's fragments
+    zero1_weights = global_tensors(runs["half"], prefix="weight/")
+    _assert_same_tensors(global_tensors(zero3, prefix="weight/"), zero1_weights)
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     logits, tempnets = [], []
     for name, ckpt in (("zero1", runs["half"]), ("zero3", zero3)):
@@ -183,7 +195,7 @@ def _listing(directory) -> dict:
 
 @pytest.mark.parametrize(
     "case",
-    ["tempnet-size", "model-shape", "global-batch", "truncated-file", "missing-portable-file"],
+    ["tempnet-size", "model-shape", "global-batch", "truncated-file", "missing-shard-file"],
 )
 def test_bad_checkpoints_stop_with_what_is_wrong_and_save_nothing(runs, corpus, tmp_path, case):
     run = tmp_path / "run"
@@ -202,12 +214,12 @@ def test_bad_checkpoints_stop_with_what_is_wrong_and_save_nothing(runs, corpus, 
         flags["global-batch-size"] = 16
         message = "saved with --global-batch-size 8, this run has 16"
     elif case == "truncated-file":
-        data = (tag / "mp_rank_01_model_states.pt").read_bytes()
-        (tag / "mp_rank_01_model_states.pt").write_bytes(data[: len(data) // 2])
-        message = f"{tag / 'mp_rank_01_model_states.pt'} is truncated or altered"
+        data = (tag / "shards" / "rank00001.bin").read_bytes()
+        (tag / "shards" / "rank00001.bin").write_bytes(data[: len(data) // 2])
+        message = f"{tag / 'shards' / 'rank00001.bin'} is truncated or altered"
     else:
-        (tag / "portable" / "stage_tp01_pp000.pt").unlink()
-        message = f"{tag / 'portable' / 'stage_tp01_pp000.pt'} is missing"
+        (tag / "shards" / "rank00001.bin").unlink()
+        message = f"{tag / 'shards' / 'rank00001.bin'} is missing (recorded in COMPLETE)"
     before = _listing(run)
     out = _pretrain(nproc, _args(corpus, runs["tmp"], **NO_EVAL, **flags, **{
         "load": run, "save": run}), check=False)  # fmt: skip

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from tests.helpers.checkpoints import global_tensors, weights
 from tests.helpers.corpus import blend_corpus
 from tests.helpers.distributed import run_distributed
 from tests.helpers.entry_points import run_command
@@ -67,10 +68,9 @@ def tool(script: str, *args, check: bool = True) -> subprocess.CompletedProcess:
 def convert(hf_dir: str, out, tp: int = 1, pp: int = 1) -> str:
     r = tool("checkpoint/convert_hf_to_megatron.py", "--hf-dir", hf_dir, "--save", out,
              "--target-tp", tp, "--target-pp", pp)  # fmt: skip
-    # progress without a terminal: a closing line over the weight files (PP 2: one per piece)
-    done = re.search(rf"writing {re.escape(str(out))}: 100% (\d+)/(\d+) file in ", r.stderr)
-    kind = "layer_" if pp > 1 else "mp_rank_"
-    written = [f for f in os.listdir(os.path.join(out, "iter_0000000")) if f.startswith(kind)]
+    # progress without a terminal: a closing line over the tensors, one per LM parameter
+    done = re.search(rf"writing {re.escape(str(out))}: 100% (\d+)/(\d+) tensor in ", r.stderr)
+    written = global_tensors(out, "iter_0000000", prefix="weight/")
     assert done and int(done[1]) == int(done[2]) == len(written), r.stderr
     return str(out)
 
@@ -126,10 +126,16 @@ def test_converted_models_give_hf_logits_at_every_layout(hf, arch, tmp_path):
             unscaled = load_hf(hf[arch], rope_parameters=plain)(tokens).logits.float()
         assert (unscaled - reference).abs().max() > 1e-3
     tied = arch in ("gpt2", "llama3.2")
+    first = None
     for tp, pp in [(1, 1), (2, 1), (1, 2), (2, 2)]:
         ckpt = convert(hf[arch], tmp_path / f"tp{tp}pp{pp}", tp, pp)
-        files = os.listdir(os.path.join(ckpt, "iter_0000000"))
-        assert sum(f.startswith("layer_") for f in files) == (0 if pp == 1 else tp * (6 - tied))
+        # layout-free: every target layout writes the same full tensors (vocabulary unpadded;
+        # a tied output layer is the embedding, not saved twice)
+        saved = global_tensors(ckpt)
+        assert saved["weight/lm.pieces.0.word_embeddings.weight"].shape[0] == vocab
+        assert any("output_layer" in k for k in saved) != tied
+        first = first or saved
+        assert saved.keys() == first.keys() and all(torch.equal(saved[k], first[k]) for k in saved)
         logits = our_logits(ckpt, tokens, tp, _PREFILL if arch in _SCALED else None)
         if arch in _SCALED:
             logits, cached = logits
@@ -166,10 +172,8 @@ def _pretrain(hf, nproc: int, flags: list[str], out) -> None:
     [("llama", 2, 1, "load"), ("gpt2", 1, 2, "pretrained"), ("llama", 1, 2, "finetune")],
 )
 def test_pretrain_gpt_trains_from_the_conversion(hf, arch, tp, pp, how, tmp_path):
-    """With --lr 0 the run's saved LM is the converted one, tensor for tensor: DeepSpeed loaded
-    every file; its HF export gives the run's logits."""
-    from megatron_tempnet.inference.checkpoint_io import CheckpointReader
-
+    """With --lr 0 the run's saved LM is the converted one, tensor for tensor: the run loaded
+    every tensor; its HF export gives the run's logits."""
     ckpt = convert(hf[arch], tmp_path / "converted", tp, pp)
     load = {
         "load": ["--load", ckpt],
@@ -189,12 +193,13 @@ def test_pretrain_gpt_trains_from_the_conversion(hf, arch, tp, pp, how, tmp_path
         str(pp),
     ]
     _pretrain(hf, tp * pp, flags, tmp_path / "run")
-    run, converted = CheckpointReader(str(tmp_path / "run")), CheckpointReader(ckpt)
-    assert run.has_tempnet() and open(tmp_path / "run" / "latest").read() == "iter_0000002"
-    lm = [n for n in converted.names()]
-    assert lm and sorted(lm) == sorted(n for n in run.names() if not n.startswith("tempnet."))
+    run, converted = weights(tmp_path / "run"), weights(ckpt)
+    assert any(n.startswith("tempnet.") for n in run)
+    assert open(tmp_path / "run" / "latest").read() == "iter_0000002"
+    lm = list(converted)
+    assert lm and sorted(lm) == sorted(n for n in run if not n.startswith("tempnet."))
     for name in lm:
-        assert torch.equal(run.full(name), converted.full(name)), name
+        assert torch.equal(run[name], converted[name]), name
     tool("checkpoint/convert_megatron_to_hf.py", "--load", tmp_path / "run",
          "--save", tmp_path / "hf-out")  # fmt: skip
     tokens = _tokens(hf["vocab"])

@@ -12,7 +12,15 @@ import sys
 import pytest
 import torch
 
+from megatron_tempnet.trainer.shard_reading import read_metadata
 from tests.helpers import device_rules
+from tests.helpers.checkpoints import (
+    checkpoint_path,
+    global_tensors,
+    stored_bytes,
+    train_state,
+    weights,
+)
 from tests.helpers.corpus import blend_corpus, pydoc_documents
 from tests.helpers.entry_points import cli_flags, run_command, run_entry_point, run_program
 from tests.helpers.wandb_run import read_offline_run
@@ -181,10 +189,6 @@ def test_loader_workers_wandb_and_a_yaml_cfg_give_the_same_run(corpus, reference
     assert [r["loss"] for r in _curve(again)] == [r["loss"] for r in got[:3]]
 
 
-def _tempnet_state(save_dir) -> dict:
-    return {k: v for k, v in _module(save_dir).items() if k.startswith("tempnet.")}
-
-
 def test_freeze_lm_trains_tempnet_only(corpus, tmp_path):
     flags = {"freeze-lm": True, "save": tmp_path / "ckpt", "train-iters": 6, "eval-interval": 0,
              "metrics-file": tmp_path / "m.jsonl", "zero-stage": 1}  # fmt: skip
@@ -192,28 +196,26 @@ def test_freeze_lm_trains_tempnet_only(corpus, tmp_path):
     initial = tmp_path / "initial"
     _pretrain(2, _args(corpus, tmp_path, **{**flags, "train-iters": 1, "lr": 0.0,
                                             "save": initial, "metrics-file": None}))  # fmt: skip
-    load = lambda d: torch.load(  # noqa: E731
-        os.path.join(d, open(os.path.join(d, "latest")).read(), "mp_rank_00_model_states.pt"),
-        map_location="cpu",
-        weights_only=False,
+    trained, start = weights(tmp_path / "ckpt"), weights(initial)
+    lm_keys = [k for k in trained if k.startswith("lm.")]
+    assert lm_keys and all(torch.equal(trained[k], start[k]) for k in lm_keys)
+    tempnet_keys = [k for k in trained if k.startswith("tempnet.")]
+    assert any(not torch.equal(trained[k], start[k]) for k in tempnet_keys)
+    n_tempnet = sum(trained[k].numel() for k in tempnet_keys)
+    # AdamW steps TempNet only: its moments are saved for TempNet's parameters, none for the LM
+    moments = global_tensors(tmp_path / "ckpt", "iter_0000006", prefix="exp_avg/")
+    assert sorted(moments) == sorted(f"exp_avg/{k}" for k in tempnet_keys)
+    assert train_state(tmp_path / "ckpt")["layout"]["zero_stage"] == 1
+    # ZeRO-1 over 2 ranks: rank 0's fragment (the moments it writes) is half of TempNet's
+    saved = read_metadata(checkpoint_path(tmp_path / "ckpt", "iter_0000006"))
+    own = sum(
+        math.prod(c["sizes"])
+        for fqn, t in saved.items()
+        if fqn.startswith("exp_avg/")
+        for c in t["chunks"]
+        if c["file"] == "shards/rank00000.bin"
     )
-    trained, start = load(tmp_path / "ckpt"), load(initial)
-    tensors = {k for k, v in trained["module"].items() if isinstance(v, torch.Tensor)}
-    lm_keys = [k for k in tensors if k.startswith("lm.")]
-    assert lm_keys and all(torch.equal(trained["module"][k], start["module"][k]) for k in lm_keys)
-    tempnet_keys = [k for k in tensors if k.startswith("tempnet.")]
-    assert any(not torch.equal(trained["module"][k], start["module"][k]) for k in tempnet_keys)
-    n_tempnet = sum(trained["module"][k].numel() for k in tempnet_keys)
-    optim_dir = os.path.join(tmp_path / "ckpt", "iter_0000006")
-    optim = torch.load(
-        os.path.join(optim_dir, "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
-        map_location="cpu",
-        weights_only=False,
-    )["optimizer_state_dict"]
-    # ZeRO-1 over 2 ranks: this rank's flat partition holds half of TempNet's parameters, no LM
-    flat = optim["single_partition_of_fp32_groups"]
-    assert sum(t.numel() for t in flat) * 2 >= n_tempnet > sum(t.numel() for t in flat)
-    assert [g["name"] for g in optim["base_optimizer_state"]["param_groups"]] == ["tempnet"]
+    assert own * 2 >= n_tempnet > own
 
 
 COMBINATIONS = [
@@ -304,7 +306,7 @@ def test_bf16_with_zero_keeps_tempnet_float32(corpus, reference_curve, tmp_path,
     )
     assert all(r["tau_std"] > 0 for r in curve)
     if zero == 2:
-        module = _module(tmp_path / "ckpt")
+        module = _saved_weights(tmp_path / "ckpt")
         tempnet = {k: v.dtype for k, v in module.items() if k.startswith("tempnet.")}
         assert tempnet and set(tempnet.values()) == {torch.float32}
         lm = {v.dtype for k, v in module.items() if k.startswith("lm.") and v.is_floating_point()}
@@ -409,12 +411,13 @@ def test_setting_iii_tempnet_on_an_lm_only_checkpoint_in_float32_and_bf16(corpus
         runs[precision] = out = tmp_path / precision
         _pretrain(1, _args(corpus, tmp_path, **flags, save=out, bf16=precision == "bf16",
                            **{"metrics-file": out / "m.jsonl"}))  # fmt: skip
-    load = lambda d, tag: torch.load(d / tag / "mp_rank_00_model_states.pt",  # noqa: E731
-                                     map_location="cpu", weights_only=False)["module"]  # fmt: skip
-    before, after = load(lm_ckpt, "iter_0000004"), load(runs["fp32"], "iter_0000003")
-    lm_keys = [k for k, v in before.items() if isinstance(v, torch.Tensor)]
+    before, after = (
+        _saved_weights(lm_ckpt, "iter_0000004"),
+        _saved_weights(runs["fp32"], "iter_0000003"),
+    )
+    lm_keys = list(before)
     assert lm_keys and all(torch.equal(before[k], after[k]) for k in lm_keys)
-    bf16 = load(runs["bf16"], "iter_0000003")
+    bf16 = _saved_weights(runs["bf16"], "iter_0000003")
     tempnet = [k for k in bf16 if k.startswith("tempnet.")]
     assert tempnet and all(bf16[k].dtype == torch.float32 for k in tempnet)
     assert all(bf16[k].dtype == torch.bfloat16 for k in lm_keys if before[k].is_floating_point())
@@ -448,10 +451,8 @@ LLAMA = {"normalization": "RMSNorm", "swiglu": True, "untie-embeddings-and-outpu
 
 
 def _pipeline_tempnet(save_dir) -> dict:
-    """TempNet's tensors from a pipeline checkpoint (the last layer file)."""
-    tag = (save_dir / "latest").read_text()
-    last = sorted((save_dir / tag).glob("layer_*-model_states.pt"))[-1]
-    return torch.load(last, map_location="cpu", weights_only=False)
+    """TempNet's tensors from a pipeline checkpoint."""
+    return {k: v for k, v in weights(save_dir).items() if k.startswith("tempnet.")}
 
 
 def test_pipeline_llama_matches_one_process_and_resumes_exactly(corpus, tmp_path):
@@ -499,7 +500,8 @@ def test_pipeline_finetune_starts_tempnet_on_an_lm_only_checkpoint(corpus, tmp_p
     one = tmp_path / "one.jsonl"  # the PP 2 checkpoint at PP 1: resharded, the same run
     other = _pretrain(1, _args(corpus, tmp_path, load=lm_ckpt, finetune=True, **{
         "eval-interval": 0, "train-iters": 2, "metrics-file": one}))  # fmt: skip
-    assert "resharding from TP 1 x PP 2 x DP 1" in other.stderr
+    assert train_state(lm_ckpt)["layout"]["pipeline_parallel"] == 2
+    assert f"loaded weights from {lm_ckpt / 'iter_0000006'} (--finetune --load)" in other.stderr
     assert "TempNet starts from its initialisation" in other.stderr
     assert _curve(one)[0]["loss"] == pytest.approx(_curve(tuned)[0]["loss"], rel=1e-5)
 
@@ -515,16 +517,15 @@ def test_pipeline_freeze_lm_trains_tempnet_only(corpus, tmp_path):
     for got, ref in zip(_curve(trained / "m.jsonl"), _curve(one), strict=True):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6), got["iteration"]
     _pretrain(2, _args(corpus, tmp_path, **{**pp, "train-iters": 1, "lr": 0.0}, save=initial))
-    files = lambda d: sorted((d / (d / "latest").read_text()).glob("layer_*"))  # noqa: E731
-    after, before = files(trained), files(initial)
-    # embeddings, 2 layers, final norm, TempNet (the tied output layer is the embedding's file)
-    assert [f.name for f in after] == [f.name for f in before] and len(after) == 6
-    load = lambda f: torch.load(f, map_location="cpu", weights_only=False)  # noqa: E731
-    for a, b in zip(after[:-1], before[:-1]):  # the LM's pieces: bit-identical
-        sa, sb = load(a), load(b)
-        assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor)), a
-    ta, tb = load(after[-1]), load(before[-1])  # TempNet learned
-    assert any(not torch.equal(ta[k], tb[k]) for k in ta if k.startswith("tempnet."))
+    after, before = weights(trained), weights(initial)
+    # embeddings, positions, 2 layers, final norm and TempNet (the tied output layer is the
+    # embedding, saved once)
+    assert sorted(after) == sorted(before)
+    assert {k.split(".")[2] for k in after if k.startswith("lm.")} == {"0", "1", "2", "3", "4"}
+    lm = [k for k in after if not k.startswith("tempnet.")]
+    assert lm and all(torch.equal(after[k], before[k]) for k in lm)  # the LM: bit-identical
+    tempnet = [k for k in after if k.startswith("tempnet.")]
+    assert any(not torch.equal(after[k], before[k]) for k in tempnet)  # TempNet learned
 
 
 def test_time_budget_stops_at_a_checkpoint_and_pretrained_weights_seed_the_run(corpus, tmp_path):
@@ -543,7 +544,7 @@ def test_time_budget_stops_at_a_checkpoint_and_pretrained_weights_seed_the_run(c
     )
     assert "--exit-duration-in-mins 1e-06 reached: stopped after iteration 1" in first.stderr
     assert open(run / "latest").read() == "iter_0000001"
-    lm = {k: v for k, v in _module(pretrained).items() if not k.startswith("tempnet.")}
+    lm = {k: v for k, v in weights(pretrained).items() if not k.startswith("tempnet.")}
     second = _pretrain(0, _args(corpus, tmp_path, **flags))
     assert f"resumed from {run / 'iter_0000001'}" in second.stderr
     assert "--pretrained-checkpoint" not in second.stderr
@@ -553,15 +554,16 @@ def test_time_budget_stops_at_a_checkpoint_and_pretrained_weights_seed_the_run(c
     fresh = tmp_path / "fresh.jsonl"
     _pretrain(0, _args(corpus, tmp_path, **{"train-iters": 1, "metrics-file": fresh}))
     assert _curve(run / "m.jsonl")[0]["ce_loss"] != _curve(fresh)[0]["ce_loss"]
-    assert lm and not all(torch.equal(lm[k], _module(run)[k]) for k in lm)  # then it trained
+    trained = weights(run)
+    assert lm and not all(torch.equal(lm[k], trained[k]) for k in lm)  # then it trained
 
 
-def _module(save_dir) -> dict:
-    with open(os.path.join(save_dir, "latest")) as f:
-        tag = f.read().strip()
-    state = torch.load(os.path.join(save_dir, tag, "mp_rank_00_model_states.pt"),
-                       map_location="cpu", weights_only=False)["module"]  # fmt: skip
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+def _saved_weights(save_dir, tag: str | None = None) -> dict:
+    """``{parameter name: full weight}`` in the dtype the run kept it in (not the master)."""
+    return {
+        k.removeprefix("weight/"): v
+        for k, v in global_tensors(save_dir, tag, prefix="weight/").items()
+    }
 
 
 @pytest.mark.parametrize("nproc,pp", [(1, 1), (2, 2)], ids=["pp1", "pp2"])
@@ -583,8 +585,10 @@ def test_frozen_lm_checkpoints_hold_tempnet_only_and_resume_exactly(corpus, tmp_
     run("split", **{"exit-interval": 3})
     tag = tmp_path / "split" / "iter_0000003"
     assert (tag / "FROZEN_LM_EXCLUDED").exists()
-    saved = sum(f.stat().st_size for f in tag.glob("*model_states.pt"))
-    whole = sum(f.stat().st_size for f in (lm / "iter_0000002").glob("*model_states.pt"))
+    names = list(global_tensors(tmp_path / "split", "iter_0000003"))
+    assert names and all(n.split("/", 1)[1].startswith("tempnet.") for n in names)  # no LM
+    saved = stored_bytes(tmp_path / "split", "iter_0000003")
+    whole = stored_bytes(lm, "iter_0000002")
     assert saved < whole / 2  # the tiny LM dominates; TempNet (32 x 32) and its Adam state do not
     resumed = run("split")
     assert "the frozen LM: loading --pretrained-checkpoint" in resumed.stderr

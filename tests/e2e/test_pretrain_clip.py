@@ -15,6 +15,13 @@ import torch
 
 from megatron_tempnet.models.clip.data.digits import write_digits_dataset
 from tests.helpers import device_rules
+from tests.helpers.checkpoints import (
+    checkpoint_path,
+    global_tensors,
+    rank_state,
+    train_state,
+    weights,
+)
 from tests.helpers.entry_points import cli_flags, run_command, run_entry_point
 from tests.helpers.wandb_run import read_offline_run
 
@@ -167,16 +174,27 @@ def _tensors(obj, prefix: str = "") -> dict:
     return {k: v for key, value in items for k, v in _tensors(value, f"{prefix}/{key}").items()}
 
 
-def _assert_same_checkpoint(a, b) -> None:
-    """Every file of two checkpoint tags holds the same tensors, bit for bit."""
-    files = sorted(f for f in os.listdir(a) if f.endswith(".pt"))
-    assert files == sorted(f for f in os.listdir(b) if f.endswith(".pt")) and files
+def _ranks(save_dir, tag: str) -> int:
+    """How many ranks saved checkpoint ``tag`` (one RNG and task state file each)."""
+    files = os.listdir(checkpoint_path(save_dir, tag))
+    return sum(re.fullmatch(r"rng_rank\d+\.pt", f) is not None for f in files)
+
+
+def _assert_same_checkpoint(a, b, tag: str) -> None:
+    """Checkpoint ``tag`` of two save directories holds the same tensors, bit for bit: every
+    global tensor (weights, masters, AdamW's moments) and every rank's RNG and task state."""
+    x, y = global_tensors(a, tag), global_tensors(b, tag)
+    assert x.keys() == y.keys() and x
+    for key in x:
+        assert torch.equal(x[key], y[key]), key
+    ranks = _ranks(a, tag)
+    assert ranks == _ranks(b, tag) and ranks
     compared = 0
-    for name in files:
-        x, y = (_tensors(torch.load(os.path.join(d, name), weights_only=False)) for d in (a, b))
-        assert x.keys() == y.keys(), name
+    for rank in range(ranks):
+        x, y = (_tensors(rank_state(d, rank, tag)) for d in (a, b))
+        assert x.keys() == y.keys(), rank
         for key in x:
-            assert torch.equal(x[key], y[key]), (name, key)
+            assert torch.equal(x[key], y[key]), (rank, key)
         compared += len(x)
     assert compared > 0
 
@@ -207,8 +225,8 @@ def test_pp2_equals_pp1(digits, tmp_path, one_process_curves, loss):
         for key in ("loss", "tau_mean", "tau_min", "tau_max", "grad_norm"):
             assert x[key] == y[key], (x["iteration"], key)
     tag = "iter_0000010"
-    _assert_same_checkpoint(straight / "ckpt" / tag, split / "ckpt" / tag)
-    last_stage = torch.load(straight / "ckpt" / tag / "rng_rank1.pt", weights_only=False)
+    _assert_same_checkpoint(straight / "ckpt", split / "ckpt", tag)
+    last_stage = rank_state(straight / "ckpt", 1, tag)
     assert last_stage["rank_state"]["sample_state"]["seen"].sum() == 48  # every pair, stage 2
 
 
@@ -250,7 +268,7 @@ def test_a_pp2_checkpoint_resumes_in_one_process(digits, tmp_path, one_process_c
     _pretrain(2, _args(digits, tmp_path, **flags, **{"pipeline-model-parallel-size": 2,
                                                      "exit-interval": 5}))  # fmt: skip
     r = _pretrain(1, _args(digits, tmp_path, **flags))
-    assert "resharding from" in r.stdout + r.stderr
+    assert "resharded from TP 1 x PP 2 x DP 1" in r.stdout + r.stderr
     got = _curve(tmp_path / "metrics.jsonl")
     assert [x["iteration"] for x in got] == list(range(1, 11))
     _assert_same_curve(got, [r for r in one_process_curves["isogclr"] if "loss" in r], rtol=1e-4)
@@ -304,27 +322,27 @@ def test_bf16_tracks_float32(digits, tmp_path, loss, zero_stage):
     for a, b in zip(bf16, fp32):
         assert a["loss"] == pytest.approx(b["loss"], rel=0.1), a["iteration"]
         assert a["tau_mean"] == pytest.approx(b["tau_mean"], rel=0.05), a["iteration"]
-    tag = tmp_path / "bf16" / "ckpt" / "iter_0000010"
-    module = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-    dtypes = {k: v.dtype for k, v in module.items() if torch.is_tensor(v) and v.is_floating_point()}
+    save, tag = tmp_path / "bf16" / "ckpt", "iter_0000010"
+    module = global_tensors(save, tag, prefix="weight/")
+    dtypes = {
+        k.removeprefix("weight/"): v.dtype for k, v in module.items() if v.is_floating_point()
+    }
     temperature = {k for k in dtypes if k.startswith(("tempnets.", "tau_heads."))}
     assert temperature and {dtypes[k] for k in temperature} == {torch.float32}, dtypes
     assert {v for k, v in dtypes.items() if k not in temperature} == {torch.bfloat16}, dtypes
     if loss == "tempnet":
         for rank in (0, 1):
-            state = torch.load(tag / f"rng_rank{rank}.pt", weights_only=False)["rank_state"]
+            state = rank_state(save, rank, tag)["rank_state"]
             assert state["sample_state"]["values"].dtype == torch.float32
 
 
 def _saved(save_dir, iteration: int) -> dict:
-    """Per rank: the per-sample state shard; and the model's TempNet/temperature tensors."""
-    tag = os.path.join(save_dir, f"iter_{iteration:07d}")
+    """Per rank: the per-sample state shard; and the model's weights."""
+    tag = f"iter_{iteration:07d}"
     out = {}
     for rank in (0, 1):
-        state = torch.load(os.path.join(tag, f"rng_rank{rank}.pt"), weights_only=False)
-        out[f"state{rank}"] = state["rank_state"]["sample_state"]
-    module = torch.load(os.path.join(tag, "mp_rank_00_model_states.pt"), weights_only=False)
-    out["module"] = module["module"]
+        out[f"state{rank}"] = rank_state(save_dir, rank, tag)["rank_state"]["sample_state"]
+    out["module"] = weights(save_dir, tag)
     return out
 
 
@@ -409,11 +427,10 @@ def test_isogclr_reads_back_its_per_sample_tau(digits, tmp_path):
 
 def _every_sample_state(save_dir, iteration: int) -> dict:
     """The per-sample state of every sample (values, seen), from any DP size's shards."""
-    tag = os.path.join(save_dir, f"iter_{iteration:07d}")
+    tag = f"iter_{iteration:07d}"
     shards = [
-        torch.load(os.path.join(tag, f), weights_only=False)["rank_state"]["sample_state"]
-        for f in sorted(os.listdir(tag))
-        if f.startswith("rng_rank")
+        rank_state(save_dir, rank, tag)["rank_state"]["sample_state"]
+        for rank in range(_ranks(save_dir, tag))
     ]
     n, k = shards[0]["num_samples"], len(shards[0]["fields"])
     values, seen = torch.zeros(n, k), torch.zeros(n, dtype=torch.bool)
@@ -467,12 +484,18 @@ def test_pretrained_towers_from_a_hugging_face_clip_at_tp2(digits, tmp_path):
     from its initialisation."""
     from transformers import CLIPConfig, CLIPModel
 
+    from megatron_tempnet.data.tokenizers import TokenizerConfig
+
+    # the tokenizer's vocabulary (the run's; checkpoints hold it unpadded, so they must agree)
+    spec = TokenizerConfig(
+        tokenizer_type="SentencePieceTokenizer", tokenizer_model=digits["tokenizer"]
+    )
     tower = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  hidden_act="quick_gelu")  # fmt: skip
     config = CLIPConfig(
         text_config=dict(
             tower,
-            vocab_size=64,
+            vocab_size=spec.build().vocab_size,
             max_position_embeddings=16,
             eos_token_id=2,
             bos_token_id=0,
@@ -498,14 +521,13 @@ def test_pretrained_towers_from_a_hugging_face_clip_at_tp2(digits, tmp_path):
                  "valid-data": None}) + flags  # fmt: skip
     r = _pretrain(2, args)
     assert "TempNet starts from its initialisation" in r.stdout + r.stderr
-    for rank in (0, 1):
-        name = f"mp_rank_{rank:02d}_model_states.pt"
-        before = torch.load(converted / "iter_0000000" / name, weights_only=False)["module"]
-        after = torch.load(tmp_path / "run" / "iter_0000001" / name, weights_only=False)["module"]
-        towers = [k for k in after if k.startswith("clip.") and torch.is_tensor(after[k])]
-        assert len(towers) > 40 and all(k in before for k in towers)
-        for key in towers:
-            assert torch.equal(after[key], before[key]), key
+    assert train_state(tmp_path / "run")["layout"]["tensor_parallel"] == 2
+    before = weights(converted, "iter_0000000")
+    after = weights(tmp_path / "run", "iter_0000001")
+    towers = [k for k in after if k.startswith("clip.")]
+    assert len(towers) > 40 and all(k in before for k in towers)
+    for key in towers:
+        assert torch.equal(after[key], before[key]), key
 
 
 @pytest.mark.parametrize("loss", ["tempnet", "isogclr"])

@@ -26,6 +26,7 @@ from megatron_tempnet.trainer.checkpoint_format import (
 )
 from megatron_tempnet.trainer.run_lock import LOCK, Owner
 from tests.helpers import faults
+from tests.helpers.checkpoints import global_tensors
 from tests.helpers.corpus import blend_corpus
 from tests.helpers.entry_points import Running, cli_flags, run_entry_point
 
@@ -58,11 +59,10 @@ def _rows(path) -> list[dict]:
         return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
 
 
-def _module(save_dir) -> dict[str, torch.Tensor]:
-    """The LM and TempNet weights of ``save_dir``'s newest checkpoint (rank 0's model file)."""
-    path = os.path.join(save_dir, latest_tag(save_dir), "mp_rank_00_model_states.pt")
-    module = torch.load(path, map_location="cpu", weights_only=False)["module"]
-    return {k: v for k, v in module.items() if isinstance(v, torch.Tensor)}
+def _state(save_dir) -> dict[str, torch.Tensor]:
+    """Every tensor of ``save_dir``'s newest checkpoint: the LM's and TempNet's weights and
+    AdamW's moments, whole."""
+    return global_tensors(save_dir)
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -107,10 +107,13 @@ def _finish(running: Running, timeout: float = 300) -> subprocess.CompletedProce
 
 
 def test_soak_random_kills_and_restarts_end_as_the_uninterrupted_run(corpus, tmp_path):
-    """300 iterations, a checkpoint every 5; 16 faults: a rank SIGKILLed at each point of a
-    save (twice for the in-file points), SIGKILL of all ranks and SIGTERM (preemption) at random
-    iterations; each time the run restarts from `latest`. The metrics file, TensorBoard's steps,
-    TempNet and the LM equal an uninterrupted run's."""
+    """300 iterations, a checkpoint every 5; 18 faults: a rank SIGKILLed at each point of a
+    save (twice for the rank's tensor file, its state file and the exchange), three times in a
+    background write (--async-save: in its tensor file, at the exchange, at the marker), SIGKILL
+    of all ranks and SIGTERM (preemption, once with --async-save: the stop waits for the write)
+    at random iterations; each time the run restarts from `latest`. The metrics file,
+    TensorBoard's steps, TempNet's and the LM's weights and moments equal an uninterrupted
+    run's."""
     iters, rng = 300, random.Random(24)
     common = {"train-iters": iters, "keep-last": 2}
     reference = tmp_path / "reference"
@@ -121,32 +124,37 @@ def test_soak_random_kills_and_restarts_end_as_the_uninterrupted_run(corpus, tmp
     logs = {"metrics-file": metrics, "tensorboard-dir": soak / "tb"}
     flags = {**common, "save": soak, "load": soak, **logs}
     plan = [("save", point) for point in faults.SAVE_POINTS]
-    plan += [("save", p) for p in ("model", "optimizer", "rank_state", "between_ranks")]
-    plan += [("SIGKILL", None)] * 2 + [("SIGTERM", None)] * 2
+    plan += [("save", p) for p in ("shard", "rank_state", "between_ranks")]
+    plan += [("async", p) for p in ("shard", "between_ranks", "marker")]
+    plan += [("SIGKILL", None)] * 2 + [("SIGTERM", None), ("SIGTERM-async", None)]
     rng.shuffle(plan)
     log = []
     for kind, point in plan:
         start = int((latest_tag(soak) or "iter_0")[5:])
-        if kind == "save":
+        background = {"async-save": True} if kind.endswith("async") else {}
+        if kind in ("save", "async"):
             rank, nth = rng.randrange(2), rng.randint(1, 5)
-            if point in ("model", "data_position", "marker", "latest", "prune"):
-                rank = 0  # what rank 0 alone writes (DP2: one model file, the index, `latest`)
+            if point in faults.RANK0_POINTS:
+                rank = 0
             nth = max(nth, 3) if point == "prune" else nth  # two older ones to prune first
-            running = _start(corpus, tmp_path, (faults.kill_in_save, point, rank, nth), **flags)
-            at = f"{point} (rank {rank}, save {nth} of this start)"
+            setup = (faults.kill_in_save, point, rank, nth)
+            running = _start(corpus, tmp_path, setup, **flags, **background)
+            at = f"{point} (rank {rank}, save {nth} of this start{', async' * bool(background)})"
         else:
             target = min(start + rng.randint(3, 30), iters - 5)
-            running = _start(corpus, tmp_path, **flags)
+            running = _start(corpus, tmp_path, **flags, **background)
             while _last_iteration(metrics) < target and all(p.is_alive() for p in running.procs):
                 time.sleep(0.01)
             for p in running.procs:
                 with contextlib.suppress(ProcessLookupError):  # it may have ended meanwhile
-                    os.kill(p.pid, getattr(signal, kind))
+                    os.kill(p.pid, getattr(signal, kind.removesuffix("-async")))
             at = f"{kind} after iteration {_last_iteration(metrics)}"
         result = _finish(running)
         tag = latest_tag(soak)
         assert result.returncode != 0, at  # it was stopped
-        assert "Traceback" not in result.stderr or kind != "SIGTERM", result.stderr[-3000:]
+        if kind.startswith("SIGTERM"):  # a checkpoint of the iteration it stopped at, published
+            assert "Traceback" not in result.stderr, result.stderr[-3000:]
+            assert int(tag[5:]) == _last_iteration(metrics), (at, tag)
         check_checkpoint(os.path.join(soak, tag), "soak")  # `latest` is complete and intact
         log.append((at, start, int(tag[5:])))
     final = run_entry_point("pretrain_gpt.py", 2, _args(corpus, tmp_path, **flags))
@@ -157,25 +165,25 @@ def test_soak_random_kills_and_restarts_end_as_the_uninterrupted_run(corpus, tmp
     events = EventAccumulator(str(soak / "tb"))  # each restart purged the steps it redid
     events.Reload()
     assert [e.step for e in events.Scalars("loss/loss")] == list(range(1, iters + 1))
-    got, want = _module(soak), _module(reference)
-    assert got.keys() == want.keys() and any(k.startswith("tempnet.") for k in got)
+    got, want = _state(soak), _state(reference)
+    assert got.keys() == want.keys() and any(k.startswith("exp_avg/tempnet.") for k in got)
     assert all(torch.equal(got[k], want[k]) for k in got)
     print("soak:", *log, sep="\n  ")
 
 
 def test_full_disk_stops_the_run_and_keeps_the_previous_checkpoint(corpus, tmp_path):
-    """Rank 1's optimizer shard meets ENOSPC in the second save (--keep-last 1): both ranks stop
+    """Rank 1's tensor file meets ENOSPC in the second save (--keep-last 1): both ranks stop
     with the same one-line error naming the file and the cause; iteration 5's checkpoint is
     `latest`, whole, and a resume from it completes."""
     save = tmp_path / "ckpt"
     flags = {"train-iters": 10, "save": save, "load": save, "keep-last": 1}
-    setup = (faults.full_disk, "*optim_states.pt", 1, 2)
+    setup = (faults.full_disk, "*shards/rank00001.bin", 1, 2)
     running = _start(corpus, tmp_path, setup, **flags)
     result = running.wait(timeout=300)
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     errors = _error_lines(result.stderr)
     assert len(errors) == 2 and errors[0] == errors[1], result.stderr[-3000:]
-    shard = save / "iter_0000010" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shard = save / "iter_0000010" / "shards" / "rank00001.bin"
     assert errors[0] == (
         f"error: saving {save / 'iter_0000010'} failed: {shard}: No space left on device "
         "(ENOSPC); 'latest' still names iter_0000005 and the incomplete directory was removed"
@@ -194,7 +202,7 @@ def test_damaged_checkpoints_are_named_and_fallback_is_asked_for(corpus, tmp_pat
     save = tmp_path / "ckpt"
     flags = {"train-iters": 10, "save": save, "load": save}
     run_entry_point("pretrain_gpt.py", 2, _args(corpus, tmp_path, **flags))
-    damaged = save / "iter_0000010" / "mp_rank_00_model_states.pt"
+    damaged = save / "iter_0000010" / "shards" / "rank00000.bin"
     os.truncate(damaged, os.path.getsize(damaged) - 100)
     more = {**flags, "train-iters": 12, "save-interval": 0}
     assert _refused(corpus, tmp_path, **more) == {

@@ -92,6 +92,8 @@ def probe(batch: int, heads: int, groups: int, head_dim: int, seq: int, device: 
         hidden_size=heads * head_dim,
         num_attention_heads=heads,
         num_query_groups=groups,
+        hidden_dropout=0.0,  # a probe of the kernels: no dropout, no RNG tracker needed
+        attention_dropout=0.0,
     )
     config = transformer_config(shape, params_dtype=torch.bfloat16)
     core = FusedCoreAttention(config, 1, AttnMaskType.causal, pg_collection=ONE_RANK)

@@ -11,21 +11,23 @@ import os
 import signal
 
 SAVE_POINTS = {
-    # point: (what is happening when the rank dies, the file pattern or step it dies in)
-    "model": "a model file is half written",
-    "optimizer": "an optimizer shard is half written",
+    # point: what is happening when the rank dies
+    "shard": "its tensor file (its share of weights, masters and moments) is half written",
+    "metadata": "the tensors' index (rank 0's) is half written",
     "rank_state": "the rank's RNG and task state file is half written",
-    "data_position": "the layout-free index (the data position) is half written",
-    "between_ranks": "every file is written, the other ranks wait for this one's checksums",
+    "train_state": "the training state (iteration, data position) is half written",
+    "between_ranks": "every file is written, the other ranks wait for this one's digests",
     "marker": "the completion marker is written under its temporary name, not renamed",
     "latest": "'latest' is written under its temporary name, not renamed",
     "prune": "an old checkpoint's marker is deleted, its files not yet",
 }
+RANK0_POINTS = ("metadata", "train_state", "marker", "latest", "prune")
+"""What rank 0 alone writes or does."""
 _FILES = {
-    "model": "*model_states.pt",
-    "optimizer": "*optim_states.pt",
+    "shard": "*shards/rank*.bin",
+    "metadata": "*shards/metadata.json",
     "rank_state": "*rng_rank*.pt",
-    "data_position": "*portable/index.json",
+    "train_state": "*train_state.json",
 }
 
 
@@ -38,10 +40,11 @@ def _die() -> None:
 
 
 def _arm_at_save(save_number: int) -> dict:
-    """``{"armed": bool}``, set while this process's ``save_number``-th save runs."""
-    from megatron_tempnet.trainer import loop
+    """``{"armed": bool}``, set while this process writes its ``save_number``-th checkpoint
+    (in the training thread, or in the background with --async-save)."""
+    from megatron_tempnet.trainer import checkpoint_writer
 
-    state, original = {"armed": False, "saves": 0}, loop.save_checkpoint
+    state, original = {"armed": False, "saves": 0}, checkpoint_writer.write
 
     def counted(*args, **kwargs):
         state["saves"] += 1
@@ -51,7 +54,7 @@ def _arm_at_save(save_number: int) -> dict:
         finally:
             state["armed"] = False
 
-    loop.save_checkpoint = counted
+    checkpoint_writer.write = counted
     return state
 
 
@@ -73,16 +76,16 @@ def kill_in_save(point: str, rank: int, save_number: int) -> None:
 
         FileWriter._write = write
     elif point == "between_ranks":
-        from megatron_tempnet.trainer import checkpoint
+        from megatron_tempnet.trainer import checkpoint_writer
 
-        complete = checkpoint._complete
+        publish = checkpoint_writer._publish
 
         def die_first(*args, **kwargs):
             if state["armed"]:
                 _die()
-            return complete(*args, **kwargs)
+            return publish(*args, **kwargs)
 
-        checkpoint._complete = die_first
+        checkpoint_writer._publish = die_first
     elif point in ("marker", "latest"):
         name = "COMPLETE" if point == "marker" else "latest"
         replace = os.replace
@@ -94,16 +97,16 @@ def kill_in_save(point: str, rank: int, save_number: int) -> None:
 
         os.replace = die_before_rename
     elif point == "prune":
-        from megatron_tempnet.trainer import checkpoint
+        from megatron_tempnet.trainer import checkpoint_writer
 
-        rmtree = checkpoint.shutil.rmtree
+        rmtree = checkpoint_writer.shutil.rmtree
 
         def die_in_rmtree(path, *args, **kwargs):
             if state["armed"]:
                 _die()
             return rmtree(path, *args, **kwargs)
 
-        checkpoint.shutil.rmtree = die_in_rmtree
+        checkpoint_writer.shutil.rmtree = die_in_rmtree
     else:
         raise ValueError(f"unknown save point {point!r}")
 

@@ -200,7 +200,9 @@ def _options(parser) -> dict[str, str]:
     }
 
 
-GPT_FLAGS = """adam-beta1 adam-beta2 adam-eps apply-layernorm-1p apply-query-key-layer-scaling
+GPT_FLAGS = """adam-beta1 adam-beta2 adam-eps async-save ckpt-assume-constant-structure ckpt-digest
+ckpt-format ckpt-fully-parallel-load no-ckpt-fully-parallel-save use-persistent-ckpt-worker
+apply-layernorm-1p apply-query-key-layer-scaling
 attention-backend attention-dropout attention-softmax-in-fp32 bf16 calculate-per-token-loss
 clip-grad context-parallel-size cross-entropy-loss-fusion data-cache-path data-impl data-path
 deepspeed deepspeed-config deepspeed_config disable-bias-linear distributed-backend
@@ -230,7 +232,8 @@ train-iters train-samples transformer-impl untie-embeddings-and-output-weights u
 use-distributed-optimizer use-flash-attn use-mcore-models use-pytorch-profiler use-rope-scaling
 use-rotary-position-embeddings use-tempnet vocab-file vocab-size wandb-entity wandb-exp-name
 wandb-project wandb-save-dir weight-decay yaml-cfg zero-stage"""
-CLIP_FLAGS = """adam-beta1 adam-beta2 adam-eps attention-backend bf16 caption-key caption-noise
+CLIP_FLAGS = """adam-beta1 adam-beta2 adam-eps async-save ckpt-digest ckpt-format
+ attention-backend bf16 caption-key caption-noise
 clip-grad clip-loss context-length data-cache-path deepspeed-config deepspeed_config
 distributed-timeout-minutes embed-dim empty-unused-memory-level eval-batch-size eval-interval
 eval-iters exit-duration-in-mins exit-interval exit-on-missing-checkpoint finetune fp16

@@ -1,6 +1,6 @@
 """--use-checkpoint-args: the architecture saved with the newest checkpoint of --load, as
 Megatron-LM applies it (sizes fill the flags not given, the structure always comes from the
-checkpoint), from a checkpoint's portable copy or its DeepSpeed file."""
+checkpoint), read from the checkpoint's ``train_state.json``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from megatron_tempnet.models.gpt.checkpoint_args import model_args_from_checkpoint
 from megatron_tempnet.models.gpt.config import ModelConfig
@@ -22,17 +21,17 @@ SAVED = ModelConfig.from_preset(
 )  # fmt: skip
 
 
-def _checkpoint(load_dir, portable: bool, tag: str = "iter_0000004") -> str:
+def _write_train_state(directory: str, config: dict | None) -> None:
+    state = {"format": 2, "iteration": 4} | ({"config": config} if config is not None else {})
+    with open(os.path.join(directory, "train_state.json"), "w") as f:
+        json.dump(state, f)
+
+
+def _checkpoint(load_dir, tag: str = "iter_0000004") -> str:
     directory = os.path.join(load_dir, tag)
+    os.makedirs(directory)
     config = {"model": dataclasses.asdict(SAVED), "training": {"train_iters": 9}}
-    if portable:
-        os.makedirs(os.path.join(directory, "portable"))
-        with open(os.path.join(directory, "portable", "index.json"), "w") as f:
-            json.dump({"format": 1, "config": config}, f)
-    else:
-        os.makedirs(directory)
-        torch.save({"module": {}, "config": config},
-                   os.path.join(directory, "mp_rank_00_model_states.pt"))  # fmt: skip
+    _write_train_state(directory, config)
     open(os.path.join(directory, "COMPLETE"), "w").close()
     with open(os.path.join(load_dir, "latest"), "w") as f:
         f.write(tag)
@@ -45,9 +44,8 @@ def _given(**values) -> dict:
     return {name: values.get(name) for name in fields}
 
 
-@pytest.mark.parametrize("portable", [True, False])
-def test_the_checkpoint_gives_the_architecture(tmp_path, portable):
-    directory = _checkpoint(str(tmp_path), portable)
+def test_the_checkpoint_gives_the_architecture(tmp_path):
+    directory = _checkpoint(str(tmp_path))
     # a command line of GPT-2's structure, with its own sequence length and layer count
     given = _given(seq_length=256, num_layers=3, normalization="LayerNorm", swiglu=False,
                    add_bias_linear=True, position_embedding_type="learned_absolute")  # fmt: skip
@@ -78,8 +76,8 @@ def test_no_checkpoint_keeps_the_command_line_unless_told_to_stop(tmp_path):
 
 
 def test_a_checkpoint_without_a_config_is_an_error(tmp_path):
-    directory = _checkpoint(str(tmp_path), portable=False)
-    torch.save({"module": {}}, os.path.join(directory, "mp_rank_00_model_states.pt"))
+    directory = _checkpoint(str(tmp_path))
+    _write_train_state(directory, None)
     with pytest.raises(CheckpointError) as e:
         model_args_from_checkpoint(str(tmp_path), _given())
     assert "carries no model config: --use-checkpoint-args cannot read its architecture" in str(

@@ -5,6 +5,7 @@ and the --save lock."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -13,11 +14,14 @@ import time
 
 import pytest
 import torch
+import xxhash
 
+from megatron_tempnet.trainer import checkpoint_format
 from megatron_tempnet.trainer.checkpoint_format import (
     COMPLETE,
     LATEST,
     CheckpointError,
+    DigestCache,
     check_checkpoint,
     choose_checkpoint,
     mark_complete,
@@ -28,33 +32,40 @@ from megatron_tempnet.trainer.run_lock import LOCK, Owner, RunLock
 from tests.helpers.faults import PlantedPickle
 
 
-def _checkpoint(save_dir, iteration: int, complete: bool = True) -> str:
+def _checkpoint(save_dir, iteration: int, complete: bool = True, digest="xxh3_128") -> str:
     path = os.path.join(save_dir, f"iter_{iteration:07d}")
-    os.makedirs(os.path.join(path, "portable"))
+    os.makedirs(os.path.join(path, "shards"))
     torch.save({"w": torch.arange(1000.0) * iteration}, os.path.join(path, "model.pt"))
-    with open(os.path.join(path, "portable", "index.json"), "w") as f:
+    with open(os.path.join(path, "shards", "index.json"), "w") as f:
         json.dump({"iteration": iteration}, f)
     if complete:
-        mark_complete(path)
+        mark_complete(path, digest)
     return path
 
 
-def test_the_record_catches_truncated_altered_and_missing_files(tmp_path):
-    path = _checkpoint(tmp_path, 5)
-    record = json.load(open(os.path.join(path, COMPLETE)))["files"]
-    assert sorted(record) == ["model.pt", "portable/index.json"]
-    assert record["model.pt"]["size"] == os.path.getsize(os.path.join(path, "model.pt"))
-    check_checkpoint(path, "--load x")
+@pytest.mark.parametrize("digest", ["xxh3_128", "sha256"])
+def test_the_record_catches_truncated_altered_and_missing_files(tmp_path, digest):
+    path = _checkpoint(tmp_path, 5, digest=digest)
     model = os.path.join(path, "model.pt")
+    marker = json.load(open(os.path.join(path, COMPLETE)))
+    record = marker["files"]
+    assert marker["digest"] == digest and sorted(record) == ["model.pt", "shards/index.json"]
+    reference = xxhash.xxh3_128 if digest == "xxh3_128" else hashlib.sha256
+    assert record["model.pt"] == {  # the digest of the bytes themselves, independently taken
+        "size": os.path.getsize(model),
+        digest: reference(open(model, "rb").read()).hexdigest(),
+    }
+    cache = DigestCache(str(tmp_path / "cache"))
+    check_checkpoint(path, "--load x", cache=cache)
     data = bytearray(open(model, "rb").read())
-    data[len(data) // 2] ^= 1  # one bit, same size
+    data[len(data) // 2] ^= 1  # one bit, same size: the write changes the file's times
     open(model, "wb").write(bytes(data))
-    with pytest.raises(CheckpointError, match=f"--load x: {model} is altered: its SHA-256"):
-        check_checkpoint(path, "--load x")
-    check_checkpoint(path, "--load x", part=(1, 2))  # the other rank's share: sizes only
+    with pytest.raises(CheckpointError, match=f"--load x: {model} is altered: its {digest}"):
+        check_checkpoint(path, "--load x", cache=DigestCache(str(tmp_path / "cache")))
+    check_checkpoint(path, "--load x", verify=["shards/index.json"])  # another rank's file: size
     os.truncate(model, 100)
     with pytest.raises(CheckpointError, match=f"{model} is truncated or altered: 100 bytes, "):
-        check_checkpoint(path, "--load x", part=(1, 2))
+        check_checkpoint(path, "--load x", verify=[])
     os.remove(model)
     with pytest.raises(CheckpointError, match=f"{model} is missing"):
         check_checkpoint(path, "--load x")
@@ -93,6 +104,27 @@ def test_a_load_takes_latest_ignores_newer_saves_and_falls_back_only_when_asked(
         f.write("iter_0000099")
     with pytest.raises(CheckpointError, match="iter_0000099 is missing"):
         choose_checkpoint(save, "--load x", fallback=False)
+
+
+def test_a_verified_file_is_not_read_again_until_it_changes(tmp_path, monkeypatch):
+    """The digest cache: a second check of an unchanged file reads nothing (a new process
+    too, through the cache directory); any write to the file makes it read again."""
+    path = _checkpoint(tmp_path, 5)
+    model = os.path.join(path, "model.pt")
+    reads = []
+    digest = checkpoint_format.file_digest
+    monkeypatch.setattr(
+        checkpoint_format, "file_digest", lambda p, *a, **k: reads.append(p) or digest(p, *a, **k)
+    )
+    check_checkpoint(path, "x", verify=["model.pt"], cache=DigestCache(str(tmp_path / "c")))
+    check_checkpoint(path, "x", verify=["model.pt"], cache=DigestCache(str(tmp_path / "c")))
+    assert reads == [model]
+    with open(model, "r+b") as f:  # rewritten in place with the same bytes: read again
+        data = f.read()
+        f.seek(0)
+        f.write(data)
+    check_checkpoint(path, "x", verify=["model.pt"], cache=DigestCache(str(tmp_path / "c")))
+    assert reads == [model, model]
 
 
 @pytest.mark.parametrize(
