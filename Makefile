@@ -9,6 +9,7 @@
 # make bench-data  preprocessing throughput and memory on a generated 200 MB .jsonl.zst
 # make bench-step  training step: fused vs unfused attention, DRO + TempNet vs CE, the planner
 # make bench-stage the whole output stage: today's (logits formed whole) vs the fused one
+# make bench-ckpt  checkpoints: save, --async-save, load at the same and another layout
 # make gpu-check   the GPU acceptance run (tests/gpu, under 10 minutes on one H100): fused
 #                  attention kernels, a 100M LLaMA + TempNet in bf16, exact resume, CLIP,
 #                  generation, layouts on 2+ GPUs; prints a table, also written to GPU_REPORT
@@ -23,7 +24,7 @@ STAMP := $(VENV)/.installed
 GPU_PYTHON ?= $(BIN)/python
 GPU_REPORT ?= runs/gpu-check.md
 
-.PHONY: test install lint format docs bench bench-data bench-step bench-stage quickstart clean gpu-check
+.PHONY: test install lint format docs bench bench-data bench-step bench-stage bench-ckpt quickstart clean gpu-check
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -65,6 +66,9 @@ bench-step: $(STAMP)
 
 bench-stage: $(STAMP)
 	$(BIN)/python benchmarks/loss_bench.py --section stage --tokens 8192 $(ARGS)
+
+bench-ckpt: $(STAMP)
+	$(BIN)/python benchmarks/checkpoint_bench.py $(ARGS)
 
 # The CUDA check comes first, so a machine without a GPU gets one line (an existing venv is not
 # refreshed for it); the venv is built when missing and refreshed before a run. (REFRESH_VENV

@@ -10,8 +10,8 @@
 #
 # Environment (defaults in brackets), plus REPO, PYTHON, DEVICE, NPROC_PER_NODE, SAVE_INTERVAL and
 # LOG_INTERVAL from examples/lib/slurm.sh:
-#   PRETRAINED      [checkpoints/gpt2] the pretrained LM as a checkpoint of this project, saved
-#                   with the same TP and PP (TempNet starts fresh when it has none)
+#   PRETRAINED      [checkpoints/gpt2] the pretrained LM as a checkpoint of this project
+#                   of any layout (TempNet starts fresh when it has none)
 #   VOCAB_FILE, MERGE_FILE [data/gpt2-vocab.json, data/gpt2-merges.txt] the GPT-2 BPE
 #   DATA_PATH       [data/owt2_gpt2_text_document]   SPLIT [949,50,1]
 #   RUN_DIR         [runs/gpt2_finetune_tempnet]

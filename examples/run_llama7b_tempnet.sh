@@ -9,8 +9,8 @@
 #
 # Environment (defaults in brackets), plus REPO, PYTHON, DEVICE, NPROC_PER_NODE, SAVE_INTERVAL and
 # LOG_INTERVAL from examples/lib/slurm.sh:
-#   LM_CHECKPOINT   [checkpoints/llama2-7b] the frozen LM as a checkpoint of this project, saved
-#                   with the same TP and PP; loaded once, before the first iteration
+#   LM_CHECKPOINT   [checkpoints/llama2-7b] the frozen LM as a checkpoint of this project (any
+#                   layout); each start reads every rank's part of it
 #   TOKENIZER_MODEL [$LM_CHECKPOINT/tokenizer.model] LLaMA-2's SentencePiece model
 #   DATA_PATH       [data/owt2_llama2_text_document]   SPLIT [949,50,1]
 #   RUN_DIR         [runs/llama7b_tempnet]

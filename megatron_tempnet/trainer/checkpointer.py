@@ -29,6 +29,7 @@ import dataclasses
 import enum
 import os
 import threading
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -131,7 +132,8 @@ class Checkpointer:
         self.engine, self.model, self.config = engine, model, config
         self.ckpt = config.checkpoint
         # its own group: an asynchronous save's exchanges run beside training's collectives
-        self.group = dist.new_group(backend="gloo")
+        minutes = config.parallel.distributed_timeout_minutes
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=minutes))
         cache = os.path.join(self.ckpt.save, ".digests") if self.ckpt.save else None
         self.cache = DigestCache(cache)
         self._thread: threading.Thread | None = None

@@ -4,7 +4,8 @@ never run code from a file.
 ``FileWriter.save`` writes through a Python file object (so a failure carries its errno and the
 path) and flushes the file to disk. A writer that ``records`` failures keeps the first one and
 skips the writes after it instead of raising: a rank whose disk filled up still takes part in
-the save's collectives, and the ranks agree on the outcome at the end (``trainer.checkpoint``).
+the save's collectives, and the ranks agree on the outcome at the end
+(``trainer.checkpoint_writer``).
 
 ``load_file`` is ``torch.load(weights_only=True)``: tensors, containers, numbers and strings,
 plus the few DeepSpeed value classes the earlier format's files hold
