@@ -134,6 +134,7 @@ class Checkpointer:
         # its own group: an asynchronous save's exchanges run beside training's collectives
         minutes = config.parallel.distributed_timeout_minutes
         self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=minutes))
+        dist.barrier(group=self.group)  # its connections made now, not in the first save
         cache = os.path.join(self.ckpt.save, ".digests") if self.ckpt.save else None
         self.cache = DigestCache(cache)
         self._thread: threading.Thread | None = None
@@ -164,6 +165,27 @@ class Checkpointer:
         self._failure = None
         self._thread = threading.Thread(target=self._write_in_background, args=(job,), daemon=True)
         self._thread.start()
+
+    def prepare_async(self) -> None:
+        """--async-save: allocate (and touch) the host copies now, after the run's first step
+        (when every value to save exists), so that no save waits for their allocation."""
+        if not self.ckpt.async_save or self._buffers is not None:
+            return
+        compat.link_optimizer_states(self.engine.optimizer)
+        params = parameter_boxes(
+            self.engine,
+            self.model.tensor_layout,
+            saving=True,
+            skip_frozen=self.model.frozen_from_pretrained,
+            moments=True,
+        )
+        pinned = torch.cuda.is_available()
+        self._buffers = [
+            torch.empty(b.tensor.shape, dtype=b.tensor.dtype, pin_memory=pinned).fill_(0)
+            for p in params
+            for boxes in p.boxes.values()
+            for b in boxes
+        ]
 
     def _write_in_background(self, job: SaveJob) -> None:
         try:

@@ -100,6 +100,8 @@ def _train(
         engine.set_train_batch_size(batch)  # the number of micro-batches (--rampup-batch-size)
         rates = schedule.set_learning_rates(optimizer)
         stats = step([next(loader) for _ in range(batch // per_micro_batch)])
+        if iteration == start + 1:
+            checkpointer.prepare_async()  # --async-save's host copies, once every value exists
         # collective: all ranks stop together
         stop = requests.flags(compute_device()) if ckpt.save and iteration < t.iterations else None
         # the iteration's one wait for the device: statistics, norm and stop flags in one copy
