@@ -10,11 +10,20 @@ file (``--json-key``, default ``text``) tokenised here. ``--documents concatenat
 joins the documents (with end-of-document tokens) into one stream cut into windows of
 ``--seq-length`` predictions; ``separate`` scores each document on its own. Printed and written
 to ``--output``: ``ppl = exp(mean CE)``, ``tllm_ppl = exp(mean CE of softmax(logits / tau))`` with
-tau from TempNet (or ``--fixed-tau``), and tau statistics. Windows of every document are scored
+tau from ``--tau-source``, and tau statistics. ``--tau-source`` is TempNet's prediction
+(``tempnet``, the default), ``--fixed-tau`` (``fixed``), or ``newton``: each token's exact
+minimiser of the DRO loss (eq. 2) over ``--tempnet-tau-min <= tau <= --tempnet-tau-max`` for
+``--tempnet-rho`` (defaults: the run's own, else the paper's), by Newton's method over the
+vocabulary-parallel logits, the temperature a TempNet trained with that loss approximates. With
+a TempNet loaded, ``newton`` also reports TempNet's tau (``tempnet_tau_mean``, ``_std``) and its
+correlation with the optimum (``tau_correlation``) and its T-LLM perplexity
+(``tempnet_tllm_ppl``). ``--tau-grid`` adds the T-LLM perplexity at each of several fixed
+temperatures and the best of them, from the same forward pass. Windows of every document are scored
 ``--micro-batch-size`` at a time (right-padded; the values do not depend on the batch).
 ``--per-token-output`` writes one JSON object per scored stream/document with its first token's
 text (``prompt``) and every target's text (``tokens``), id (``targets``), ``ce``, ``tllm_logprob``
-and ``tau``: ``tools/visualize_tau.py`` renders it.
+and ``tau`` (with ``newton`` and a TempNet, ``tempnet_tau`` too): ``tools/visualize_tau.py``
+renders it.
 """
 
 from __future__ import annotations
@@ -30,7 +39,13 @@ from megatron_tempnet.inference.cli import (
     add_model_args,
     load_from_args,
 )
-from megatron_tempnet.inference.evaluation import merge, score_sequences, summarise, windows
+from megatron_tempnet.inference.evaluation import (
+    NewtonTau,
+    merge,
+    score_sequences,
+    summarise,
+    windows,
+)
 from megatron_tempnet.inference.generation import long_token_texts
 from megatron_tempnet.inference.model import InferenceError
 from megatron_tempnet.utils.cli import run_tool
@@ -54,6 +69,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=8,
         help="windows per forward pass (default: %(default)s)",
+    )
+    t = p.add_argument_group("temperature")
+    t.add_argument(
+        "--tau-source",
+        choices=["tempnet", "fixed", "newton"],
+        help="tau of the T-LLM scores: TempNet's, --fixed-tau, or each token's DRO optimum "
+        "(default: fixed with --fixed-tau, else tempnet)",
+    )
+    for flags, dest, what in (
+        (("--tempnet-rho", "--rho"), "rho", "rho of eq. 2 (default: the run's, else 10)"),
+        (
+            ("--tempnet-tau-min", "--tau-min"),
+            "tau_min",
+            "lower bound (default: the run's, else 0.001)",
+        ),
+        (
+            ("--tempnet-tau-max", "--tau-max"),
+            "tau_max",
+            "upper bound (default: the run's, else 2.0)",
+        ),
+    ):
+        t.add_argument(*flags, dest=dest, type=float, help=f"newton: {what}")
+    t.add_argument(
+        "--tau-grid",
+        type=float,
+        nargs="+",
+        default=[],
+        metavar="TAU",
+        help="also the T-LLM perplexity at each of these fixed temperatures, from the same "
+        "forward pass (tau_grid, best_fixed_tau, best_fixed_tllm_ppl)",
     )
     g.add_argument("--output", help="write the summary JSON here too")
     g.add_argument("--per-token-output", help="JSONL of per-token scores")
@@ -108,6 +153,24 @@ def read_documents(args, tokenizer, vocab_size: int) -> list[list[int]]:
     return documents
 
 
+def newton_settings(args, config: dict) -> NewtonTau:
+    """``--tau-source newton``'s rho and bounds: the flags, else the run's loss settings, else
+    the paper's (``TempNetConfig``)."""
+    from megatron_tempnet.tempnet.config import TempNetConfig
+
+    saved, paper = config.get("loss") or {}, TempNetConfig()
+    rho = args.rho if args.rho is not None else saved.get("rho", paper.rho)
+    low = args.tau_min if args.tau_min is not None else saved.get("tau_min", paper.tau_min)
+    high = args.tau_max if args.tau_max is not None else saved.get("tau_max", paper.tau_max)
+    if not rho > 0:
+        raise InferenceError(f"--tempnet-rho ({rho}) must be > 0 for --tau-source newton")
+    if not 0 < low < high:
+        raise InferenceError(
+            f"--tempnet-tau-min ({low}) must be > 0 and < --tempnet-tau-max ({high})"
+        )
+    return NewtonTau(float(rho), float(low), float(high))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.output_stage_chunk_size < 0:
@@ -115,7 +178,18 @@ def main(argv: list[str] | None = None) -> int:
             f"--output-stage-chunk-size ({args.output_stage_chunk_size}) must be >= 1, or 0 for "
             "the default"
         )
-    model, tokenizer = load_from_args(args)
+    source = args.tau_source or ("fixed" if args.fixed_tau is not None else "tempnet")
+    if source == "fixed" and args.fixed_tau is None:
+        raise InferenceError("--tau-source fixed needs --fixed-tau")
+    if source != "fixed" and args.fixed_tau is not None:
+        raise InferenceError(f"--fixed-tau is for --tau-source fixed, not {source}")
+    model, tokenizer = load_from_args(args, need_tempnet=source == "tempnet")
+    newton = newton_settings(args, model.config) if source == "newton" else None
+    grid = tuple(args.tau_grid)
+    if any(not t > 0 for t in grid):
+        raise InferenceError(
+            f"--tau-grid {' '.join(f'{t:g}' for t in grid)}: every tau must be > 0"
+        )
     window = args.seq_length or model.model.max_position_embeddings
     if not 0 < window <= model.model.max_position_embeddings:
         raise InferenceError(
@@ -135,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             model,
             sequences,
             fixed_tau=args.fixed_tau,
+            newton=newton,
+            grid=grid,
             fused_output_stage=args.fused_output_stage,
             chunk_size=args.output_stage_chunk_size or None,
             micro_batch_size=args.micro_batch_size,
@@ -144,11 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     for parts in cut:
         scores.append(merge(flat[offset : offset + len(parts)]))
         offset += len(parts)
-    summary = summarise(scores)
+    summary = summarise(scores, grid)
     summary.update(
         documents=len(documents) if args.documents == "separate" else None,
-        tau_source="fixed" if args.fixed_tau is not None else "tempnet",
-    )
+        tau_source=source,
+        **({"rho": newton.rho, "tau_min": newton.tau_min, "tau_max": newton.tau_max}
+           if newton else {}),
+    )  # fmt: skip
     if dist.get_rank() == 0:
         print(json.dumps(summary))
         if args.output:
@@ -164,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                         "ce": s.ce,
                         "tllm_logprob": [-x for x in s.tllm_ce],
                         "tau": s.tau,
+                        **({"tempnet_tau": s.tempnet_tau} if s.tempnet_tau else {}),
                     }
                 )
                 for i, (s, d) in enumerate(zip(scores, documents))

@@ -49,8 +49,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, TokenizerConfig, "tokenizer", required=False)
 
 
-def load_from_args(args: argparse.Namespace) -> tuple[InferenceModel, object]:
-    """``init_inference``, the model and its tokenizer (flags, else the checkpoint's)."""
+def load_from_args(
+    args: argparse.Namespace, *, need_tempnet: bool = True
+) -> tuple[InferenceModel, object]:
+    """``init_inference``, the model and its tokenizer (flags, else the checkpoint's).
+    ``need_tempnet``: refuse a checkpoint without TempNet unless --fixed-tau is given."""
     if args.fixed_tau is not None and not args.fixed_tau > 0:
         raise InferenceError(f"--fixed-tau ({args.fixed_tau}) must be > 0")
     init_inference(args.tensor_model_parallel_size)
@@ -76,6 +79,6 @@ def load_from_args(args: argparse.Namespace) -> tuple[InferenceModel, object]:
         raise TokenizerError(
             f"the tokenizer has {tokenizer.vocab_size} tokens, the model {model.vocab_size}"
         )
-    if args.fixed_tau is None and model.tempnet is None:
+    if need_tempnet and args.fixed_tau is None and model.tempnet is None:
         raise InferenceError(f"--load {args.load}: no TempNet in it: give --tempnet or --fixed-tau")
     return model, tokenizer

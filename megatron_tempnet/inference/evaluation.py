@@ -5,7 +5,9 @@ For every predicted token (target ``y`` after a context):
     CE       = -log softmax(L)_y                       (cross-entropy perplexity: exp(mean CE))
     T-LLM CE = -log softmax(L / tau)_y                  (the paper's T-LLM perplexity)
 
-with tau from TempNet (or a fixed value). Both come from the fused output stage
+with tau from TempNet, a fixed value, or each token's minimiser of the DRO loss over tau
+(``NewtonTau``: the paper's Baseline 2, what TempNet approximates; with a TempNet loaded its tau
+is recorded beside it). All come from the fused output stage
 (``losses.output_stage``: the final hidden states and the output weight, chunk by chunk, never the
 whole ``[tokens, V_pad/tp]`` logits), or with ``fused_output_stage=False`` from
 ``temperature_scaled_cross_entropy`` on each TP rank's whole ``[b, s, V_pad/tp]`` slice.
@@ -13,6 +15,7 @@ whole ``[tokens, V_pad/tp]`` logits), or with ``fused_output_stage=False`` from
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,6 +28,17 @@ from megatron_tempnet.distributed.groups import (
 )
 from megatron_tempnet.inference.model import InferenceError, InferenceModel
 from megatron_tempnet.losses import fused_output_stage, temperature_scaled_cross_entropy
+from megatron_tempnet.losses.newton import optimal_tau
+
+
+@dataclass(frozen=True)
+class NewtonTau:
+    """Each token's exact minimiser of eq. (2) over ``tau_min <= tau <= tau_max``
+    (``losses.newton.optimal_tau``, vocabulary-parallel)."""
+
+    rho: float
+    tau_min: float
+    tau_max: float | None = None
 
 
 @dataclass
@@ -37,6 +51,15 @@ class TokenScores:
     tau: list[float] = field(default_factory=list)
     greedy: list[bool] = field(default_factory=list)
     """The target is the model's most likely token."""
+    tempnet_tau: list[float] = field(default_factory=list)
+    """TempNet's tau when another source scores (``NewtonTau`` with a TempNet loaded)."""
+    tempnet_tllm_ce: list[float] = field(default_factory=list)
+    """The T-LLM CE with TempNet's tau, beside ``tempnet_tau``."""
+    grid_tllm_ce: list[list[float]] = field(default_factory=list)
+    """Per token, the T-LLM CE at each temperature of the ``grid`` asked for."""
+
+
+_FIELDS = tuple(f for f in TokenScores.__dataclass_fields__)
 
 
 def windows(tokens: list[int], window: int) -> list[list[int]]:
@@ -49,7 +72,7 @@ def merge(parts: list[TokenScores]) -> TokenScores:
     """One ``TokenScores`` of consecutive parts (a document's windows)."""
     merged = TokenScores()
     for part in parts:
-        for name in ("targets", "ce", "tllm_ce", "tau", "greedy"):
+        for name in _FIELDS:
             getattr(merged, name).extend(getattr(part, name))
     return merged
 
@@ -61,6 +84,7 @@ def score_tokens(
     *,
     window: int,
     fixed_tau: float | None = None,
+    newton: NewtonTau | None = None,
     fused_output_stage: bool = True,
     chunk_size: int | None = None,
     micro_batch_size: int = 8,
@@ -76,6 +100,7 @@ def score_tokens(
         model,
         windows(tokens, window),
         fixed_tau=fixed_tau,
+        newton=newton,
         fused_output_stage=fused_output_stage,
         chunk_size=chunk_size,
         micro_batch_size=micro_batch_size,
@@ -89,6 +114,8 @@ def score_sequences(
     sequences: list[list[int]],
     *,
     fixed_tau: float | None = None,
+    newton: NewtonTau | None = None,
+    grid: tuple[float, ...] = (),
     fused_output_stage: bool = True,
     chunk_size: int | None = None,
     micro_batch_size: int = 8,
@@ -98,6 +125,10 @@ def score_sequences(
     """Scores of every sequence's tokens from index ``first[i]`` on (default 1: all but the
     first), each predicted from the tokens before it in its sequence; ``on_tokens(n)``: ``n``
     more tokens are scored (progress).
+
+    tau: ``fixed_tau``, else each token's DRO optimum (``newton``; TempNet's tau and T-LLM CE
+    are recorded beside it when a TempNet is loaded), else TempNet's. ``grid``: the T-LLM CE at
+    each of these fixed temperatures too, from the same forward pass.
 
     Sequences are scored ``micro_batch_size`` at a time, longest first, right-padded: causal
     attention keeps the padding out of every real position. With the fused output stage only
@@ -110,6 +141,7 @@ def score_sequences(
         if not 1 <= start <= len(sequence):
             raise InferenceError(f"sequence {i}: nothing to score from token {start} of "
                                  f"{len(sequence)}")  # fmt: skip
+    source = _tau_source(model, fixed_tau, newton)
     order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
     results: list[TokenScores | None] = [None] * len(sequences)
     device = next(model.lm.parameters()).device
@@ -124,65 +156,97 @@ def score_sequences(
         padded, scored = padded.to(device), scored.to(device)
         inputs, targets = padded[:, :-1], padded[:, 1:]
         score = _fused_scores if fused_output_stage else _unfused_scores
-        ce, tllm, tau, best = score(model, inputs, targets, scored, fixed_tau, chunk_size)
+        values = score(model, inputs, targets, scored, source, grid, chunk_size)
+        values["greedy"] = values["greedy"] == targets[scored]
+        values["targets"] = targets[scored]
+        columns = {k: v.double().tolist() if v.is_floating_point() else v.tolist()
+                   for k, v in values.items()}  # fmt: skip
         counts = scored.sum(1).tolist()
-        pieces = [t.double().tolist() for t in (ce, tllm, tau)]
-        hits = (best == targets[scored]).tolist()
-        kept = targets[scored].tolist()
         offset = 0
         for row, i in enumerate(batch):
-            n = counts[row]
-            part = slice(offset, offset + n)
-            results[i] = TokenScores(kept[part], pieces[0][part], pieces[1][part],
-                                     pieces[2][part], hits[part])  # fmt: skip
-            offset += n
+            part = slice(offset, offset + counts[row])
+            results[i] = TokenScores(**{k: v[part] for k, v in columns.items()})
+            offset += counts[row]
         if on_tokens is not None:
             on_tokens(sum(counts))
     return results
 
 
-def _fused_scores(model: InferenceModel, inputs, targets, scored, fixed_tau, chunk_size):
-    """``(ce, T-LLM ce, tau, greedy id)`` of the ``scored`` targets (``[n]`` each, in
-    sequence-major order) from the fused output stage."""
+def _tau_source(model: InferenceModel, fixed_tau, newton: NewtonTau | None) -> dict:
+    """``fused_output_stage``'s tau arguments, and ``also_tempnet`` (score TempNet's too)."""
+    if fixed_tau is not None:
+        return {"tau": float(fixed_tau)}
+    if newton is not None:
+        return {
+            "newton_tau_min": newton.tau_min,
+            "newton_tau_max": newton.tau_max,
+            "rho": newton.rho,
+            "also_tempnet": model.tempnet is not None,
+        }
+    if model.tempnet is None:
+        raise InferenceError("no TempNet loaded: give a fixed tau or the per-token optimum")
+    return {"tempnet": model.tempnet}
+
+
+def _fused_scores(model: InferenceModel, inputs, targets, scored, source: dict, grid, chunk_size):
+    """The ``scored`` targets' values (``[n]`` each, sequence-major; ``grid_tllm_ce`` ``[n,
+    len(grid)]``) from the fused output stage: the LM's final hidden states once, the output
+    layer once per temperature source."""
     final = model.final_hidden(inputs)  # [s, b, h]
     hidden = final.hidden.transpose(0, 1)[scored]  # [n, h]
-    source = {"tau": float(fixed_tau)} if fixed_tau is not None else {"tempnet": model.tempnet}
-    out = fused_output_stage(
-        hidden,
-        final.weight,
-        targets[scored],
-        loss="ce",
-        vocab_size=model.vocab_size,
-        tp_group=model.tp_group,
-        chunk_size=chunk_size,
-        eval_terms=True,
-        **source,
-    )
-    return out.ce, out.ts_ce, out.tau, out.argmax
+    source = dict(source)
+    also_tempnet = source.pop("also_tempnet", False)
+    rows = targets[scored]
+
+    def stage(**tau_source):
+        return fused_output_stage(hidden, final.weight, rows, loss="ce", eval_terms=True,
+                                  vocab_size=model.vocab_size, tp_group=model.tp_group,
+                                  chunk_size=chunk_size, **tau_source)  # fmt: skip
+
+    out = stage(**source)
+    values = {"ce": out.ce, "tllm_ce": out.ts_ce, "tau": out.tau, "greedy": out.argmax}
+    if also_tempnet:
+        beside = stage(tempnet=model.tempnet)
+        values.update(tempnet_tau=beside.tau, tempnet_tllm_ce=beside.ts_ce)
+    if grid:
+        values["grid_tllm_ce"] = torch.stack([stage(tau=float(t)).ts_ce for t in grid], dim=1)
+    return values
 
 
-def _unfused_scores(model: InferenceModel, inputs, targets, scored, fixed_tau, chunk_size):
-    """``(ce, T-LLM ce, tau, greedy id)`` of the ``scored`` targets from the whole logits."""
+def _unfused_scores(model: InferenceModel, inputs, targets, scored, source: dict, grid, chunk_size):
+    """As ``_fused_scores``, from each window's whole logits."""
     tp = resolve_tp_group(model.tp_group)
     padded = model.model.padded_vocab_size(tp.size)
     part = vocab_partition(padded // tp.size, tp.rank, model.vocab_size)
     logits = model.logits(inputs)[scored]  # [n, V_pad/tp]
     rows = targets[scored]
-    if fixed_tau is not None:
-        tau = torch.full(rows.shape, float(fixed_tau), device=logits.device)
+    common = {"vocab_size": model.vocab_size, "tp_group": model.tp_group}
+
+    def tllm(tau):
+        return temperature_scaled_cross_entropy(logits, rows, tau, **common)
+
+    values = {}
+    if "tau" in source:
+        tau = torch.full(rows.shape, source["tau"], device=logits.device)
+    elif "newton_tau_min" in source:
+        tau = optimal_tau(logits, rho=source["rho"], tau_min=source["newton_tau_min"],
+                          tau_max=source["newton_tau_max"], **common)  # fmt: skip
+        if source["also_tempnet"]:
+            values["tempnet_tau"] = model.tempnet(logits)
+            values["tempnet_tllm_ce"] = tllm(values["tempnet_tau"])
     else:
         tau = model.tempnet(logits)
-    common = {"vocab_size": model.vocab_size, "tp_group": model.tp_group}
-    ce = temperature_scaled_cross_entropy(logits, rows, 1.0, **common)
-    tllm = temperature_scaled_cross_entropy(logits, rows, tau, **common)
-    best = parallel_argmax(logits[:, : part.n_true], part.start, tp)  # [n]
-    return ce, tllm, tau, best
+    values.update(ce=tllm(1.0), tllm_ce=tllm(tau), tau=tau)
+    values["greedy"] = parallel_argmax(logits[:, : part.n_true], part.start, tp)  # [n]
+    if grid:
+        values["grid_tllm_ce"] = torch.stack([tllm(float(t)) for t in grid], dim=1)
+    return values
 
 
-def summarise(all_scores: list[TokenScores]) -> dict:
+def summarise(all_scores: list[TokenScores], grid: tuple[float, ...] = ()) -> dict:
     """Token-weighted means over documents: losses, perplexities, tau statistics (the std over
-    every token)."""
-    import math
+    every token); TempNet's beside another source; the T-LLM perplexity at each ``grid``
+    temperature and the best of them."""
 
     ce = [x for s in all_scores for x in s.ce]
     tllm = [x for s in all_scores for x in s.tllm_ce]
@@ -192,7 +256,7 @@ def summarise(all_scores: list[TokenScores]) -> dict:
         raise InferenceError("nothing to evaluate: every document is shorter than 2 tokens")
     mean_ce, mean_tllm = sum(ce) / n, sum(tllm) / n
     tau_mean = sum(tau) / n
-    return {
+    summary = {
         "tokens": n,
         "ce_loss": mean_ce,
         "ppl": math.exp(mean_ce),
@@ -202,4 +266,32 @@ def summarise(all_scores: list[TokenScores]) -> dict:
         "tau_std": math.sqrt(sum((t - tau_mean) ** 2 for t in tau) / n),
         "tau_min": min(tau),
         "tau_max": max(tau),
+    }
+    second = [x for s in all_scores for x in s.tempnet_tau]
+    if second:  # TempNet's tau beside the one scored: how well it follows it
+        summary.update(_tempnet_beside(tau, second))
+        tempnet_tllm = sum(x for s in all_scores for x in s.tempnet_tllm_ce) / n
+        summary["tempnet_tllm_ppl"] = math.exp(tempnet_tllm)
+    if grid:
+        rows = [r for s in all_scores for r in s.grid_tllm_ce]
+        ppl = {t: math.exp(sum(r[j] for r in rows) / n) for j, t in enumerate(grid)}
+        best = min(ppl, key=ppl.get)
+        summary.update(tau_grid={f"{t:g}": v for t, v in ppl.items()}, best_fixed_tau=best,
+                       best_fixed_tllm_ppl=ppl[best])  # fmt: skip
+    return summary
+
+
+def _tempnet_beside(tau: list[float], tempnet_tau: list[float]) -> dict:
+    """TempNet's tau statistics and its Pearson correlation with the scored tau."""
+
+    n = len(tau)
+    mean_a, mean_b = sum(tau) / n, sum(tempnet_tau) / n
+    var_a = sum((a - mean_a) ** 2 for a in tau) / n
+    var_b = sum((b - mean_b) ** 2 for b in tempnet_tau) / n
+    cov = sum((a - mean_a) * (b - mean_b) for a, b in zip(tau, tempnet_tau)) / n
+    spread = math.sqrt(var_a * var_b)
+    return {
+        "tempnet_tau_mean": mean_b,
+        "tempnet_tau_std": math.sqrt(var_b),
+        "tau_correlation": cov / spread if spread > 0 else None,
     }

@@ -42,6 +42,8 @@ class Plan:
     """Compute the gradients in the forward pass, while each chunk's logits are at hand."""
     sequence_parallel: bool = False
     """The hidden states are this TP rank's sequence shard (``output_rows.ShardedRows``)."""
+    newton_tau_max: float | None = None
+    """Newton's upper bound (None: none)."""
 
     @property
     def tau_in_loss(self) -> bool:
@@ -173,6 +175,7 @@ def forward_chunk(plan: Plan, part, logits, target, w1c, state: State, rows, gra
             logits,
             rho=plan.rho,
             tau_min=plan.newton_tau_min,
+            tau_max=plan.newton_tau_max,
             vocab_size=plan.vocab_size,
             tp_group=tp.group,
         ).to(x.dtype)

@@ -193,6 +193,7 @@ def fused_output_stage(
     tau: float | None = None,
     tempnet: torch.nn.Module | None = None,
     newton_tau_min: float | None = None,
+    newton_tau_max: float | None = None,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
     eval_terms: bool = False,
@@ -214,7 +215,7 @@ def fused_output_stage(
         rho: eq. (2)'s constant (``dro``; and Newton's).
         tau / tempnet / newton_tau_min: where tau comes from, exactly one: a constant, a
             ``TempNetLM`` (``stop_grad`` as it is set), or each token's minimiser of eq. (2)
-            over ``tau >= newton_tau_min`` (no gradient).
+            over ``tau >= newton_tau_min`` (and ``<= newton_tau_max`` if given; no gradient).
         tp_group: the tensor-parallel group the vocabulary is split over (None: no TP).
         chunk_size: tokens per chunk (default ``default_chunk_size``).
         eval_terms: also return ``ts_ce`` and ``argmax`` (evaluation, without gradients).
@@ -263,6 +264,7 @@ def fused_output_stage(
         eval_terms,
         eager_gradients,
         sequence_parallel and tp.size > 1,
+        newton_tau_max,
     )
     lead = target.shape
     w1, params = None, []

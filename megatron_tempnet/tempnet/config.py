@@ -36,6 +36,9 @@ class TempNetConfig:
     """TempNet's peak learning rate (default: --lr), on the same schedule shape."""
     tempnet_weight_decay: float | None = None
     """TempNet's weight decay (default: --weight-decay)."""
+    tempnet_constant_lr: bool = False
+    """Keep TempNet's learning rate at --tempnet-lr from the first iteration to the last (no
+    warm-up, no decay), as the paper's own code trains it; default: --lr-decay-style's shape."""
 
     def resolve_optimizer(self, lr: float, weight_decay: float) -> None:
         """Fill the defaults that follow the model's optimizer flags."""

@@ -70,10 +70,12 @@ def model_and_own_groups(
     opt: OptimizerConfig,
     name: str,
     own: dict[str, tuple[list, float, float]],
+    constant: frozenset[str] = frozenset(),
 ) -> list[ParamGroup]:
     """The optimizer groups of a task's module: ``decay_groups(name, ...)`` for every trainable
     parameter outside ``own``, then one group per entry of ``own`` (``{group: (parameters, peak
-    lr, weight decay)}``) on its own schedule, its floor in the ratio --min-lr / --lr."""
+    lr, weight decay)}``) on its own schedule, its floor in the ratio --min-lr / --lr; the groups
+    named in ``constant`` keep their peak throughout."""
     owned = {id(p) for params, _, _ in own.values() for p in params}
     rest = [p for p in module.parameters() if id(p) not in owned]
     groups = decay_groups(name, rest, opt.lr, opt.min_lr, opt.weight_decay)
@@ -81,7 +83,9 @@ def model_and_own_groups(
     for group, (params, lr, weight_decay) in own.items():
         params = [p for p in params if p.requires_grad]
         if params:
-            groups.append(ParamGroup(group, params, lr, lr * ratio, weight_decay, group))
+            fixed = group in constant
+            floor = lr if fixed else lr * ratio
+            groups.append(ParamGroup(group, params, lr, floor, weight_decay, group, fixed))
     return groups
 
 
@@ -139,8 +143,8 @@ def _log_communication(config: RunConfig, ds_config: dict) -> None:
 
 
 def build_optimizer(groups: list[ParamGroup], opt: OptimizerConfig) -> torch.optim.AdamW:
-    """PyTorch's fused AdamW over the groups; ``max_lr``/``min_lr``/``schedule`` drive
-    each group's schedule."""
+    """PyTorch's fused AdamW over the groups; ``max_lr``/``min_lr``/``schedule``/``constant_lr``
+    drive each group's schedule."""
     if not groups:
         raise ConfigError("nothing to train: every parameter is frozen")
     param_groups = [
@@ -152,6 +156,7 @@ def build_optimizer(groups: list[ParamGroup], opt: OptimizerConfig) -> torch.opt
             "min_lr": g.min_lr,
             "weight_decay": g.weight_decay,
             "schedule": g.schedule,
+            "constant_lr": g.constant,
         }
         for g in groups
         for name, params in _one_dtype_each(g)

@@ -23,7 +23,8 @@ themselves with --train-samples, or ``W = --lr-warmup-fraction x D``):
   decay (--lr-wsd-decay-*), then with ``q`` their elapsed fraction ``2 x 0.5^q - 1``
   (exponential), ``1 - q``, ``(1 + cos(pi q)) / 2`` or ``1 - sqrt(q)`` (minus_sqrt).
 
-Each optimizer group has its own peak and floor (TempNet's --tempnet-lr); all share the shape.
+Each optimizer group has its own peak and floor (TempNet's --tempnet-lr); all share the shape,
+except a group kept at its peak throughout (TempNet's with --tempnet-constant-lr).
 ``validate_schedule`` checks the flags as Megatron-LM asserts them (one unit per run: iterations
 or samples), with errors that name them.
 """
@@ -288,7 +289,10 @@ class TrainSchedule:
         rates: dict[str, float] = {}
         first = None
         for group in optimizer.param_groups:
-            group["lr"] = self.lr.lr(self.stepped_samples, group["max_lr"], group["min_lr"])
+            if group.get("constant_lr"):  # --tempnet-constant-lr
+                group["lr"] = group["max_lr"]
+            else:
+                group["lr"] = self.lr.lr(self.stepped_samples, group["max_lr"], group["min_lr"])
             # checkpoints written before groups had a schedule name them by the group
             name = group.get("schedule") or group.get("name", "").removesuffix("_no_decay")
             first = first or name

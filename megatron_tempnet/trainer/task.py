@@ -67,6 +67,8 @@ class ParamGroup:
     schedule: str
     """Groups with the same schedule have the same learning rate; the first schedule's is logged
     as ``lr``, every other one's as ``{schedule}_lr``."""
+    constant: bool = False
+    """The learning rate stays at ``lr`` (no warm-up, no decay: --tempnet-constant-lr)."""
 
 
 @dataclass

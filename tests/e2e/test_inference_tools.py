@@ -20,6 +20,7 @@ from tests.helpers.corpus import blend_corpus, pydoc_documents
 from tests.helpers.distributed import run_distributed
 from tests.helpers.entry_points import run_command
 from tests.helpers.hf_models import load_hf, save_hf_gpt2, save_hf_llama
+from tests.helpers.reference import dro_dtau_reference
 
 
 def _train(setup, ckpt, out, nproc: int, iters: int, extra: list[str] = ()) -> None:
@@ -317,6 +318,79 @@ def test_evaluate_tllm_perplexity_matches_a_reference(setup, tmp_path):
         assert got["tllm_ppl"] == pytest.approx(math.exp(tllm.mean().item()), rel=1e-5)
         assert got["ppl"] == pytest.approx(math.exp(ce.mean().item()), rel=1e-5)
     assert results[1]["tllm_ppl"] != pytest.approx(results[1]["ppl"], rel=1e-6)
+
+
+def _reference_optimum(logits: torch.Tensor, rho: float, low: float, high: float) -> torch.Tensor:
+    """Each row's minimiser of eq. (2) over [low, high]: the root of eq. (10)'s df/dtau, found by
+    scipy's brentq on the float64 reference (projected onto a bound when df/dtau keeps a sign)."""
+    from scipy.optimize import brentq
+
+    def slope(row, tau):
+        return dro_dtau_reference(row, torch.tensor(tau), rho).item()
+
+    taus = []
+    for row in logits.double():
+        if slope(row, low) >= 0:
+            taus.append(low)
+        elif slope(row, high) <= 0:
+            taus.append(high)
+        else:
+            taus.append(brentq(lambda t, row=row: slope(row, t), low, high, xtol=1e-12))
+    return torch.tensor(taus, dtype=torch.float64)
+
+
+def test_evaluate_scores_with_each_tokens_dro_optimum_beside_tempnet(setup, tmp_path):
+    """--tau-source newton at TP 2 (fused, chunks of 5): every token's tau is the exact
+    minimiser of eq. (2) (a brentq reference), its T-LLM score follows it, and TempNet's own
+    tau, T-LLM perplexity and correlation with the optimum are reported; --tau-grid's
+    perplexities come from the same pass."""
+    texts = [t[:80] for t in pydoc_documents(3)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    documents = [setup["tokenizer"].tokenize(t) for t in texts]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(REPO, "tools", "evaluate.py"), "--load", setup["run"],
+           "--tensor-model-parallel-size", "2", "--jsonl", str(tmp_path / "docs.jsonl"),
+           "--documents", "separate", "--tau-source", "newton", "--rho", "3",
+           "--tempnet-tau-max", "1.5", "--output-stage-chunk-size", "5", "--tau-grid", "0.7", "1.3",
+           "--output", str(tmp_path / "e.json"),
+           "--per-token-output", str(tmp_path / "t.jsonl")]  # fmt: skip
+    r = run_command(cmd, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "e.json").read_text())
+    rows = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert (summary["tau_source"], summary["rho"], summary["tau_min"], summary["tau_max"]) == (
+        "newton", 3.0, 0.001, 1.5)  # fmt: skip
+    hf = load_hf(setup["llama"])
+    optimum, tempnet, tllm, beside, grid = [], [], [], [], {0.7: [], 1.3: []}
+    for doc, row in zip(documents, rows):
+        with torch.no_grad():
+            logits = hf(torch.tensor([doc[:-1]])).logits[0].double()  # [s, V]
+        tau = _reference_optimum(logits, 3.0, 0.001, 1.5)
+        target = torch.tensor(doc[1:])
+        scaled = (logits / tau[:, None]).log_softmax(-1).gather(1, target[:, None])[:, 0]
+        optimum.append(tau)
+        tempnet.append(reference_tau(logits, setup["tempnet"]))
+        tllm.append(-scaled)
+        for t, values in [(tempnet[-1][:, None], beside), *((t, grid[t]) for t in grid)]:
+            values.append(-(logits / t).log_softmax(-1).gather(1, target[:, None])[:, 0])
+        torch.testing.assert_close(torch.tensor(row["tau"], dtype=torch.float64), tau,
+                                   rtol=1e-4, atol=1e-6)  # fmt: skip
+        torch.testing.assert_close(torch.tensor(row["tempnet_tau"], dtype=torch.float64),
+                                   tempnet[-1], rtol=1e-5, atol=1e-6)  # fmt: skip
+        torch.testing.assert_close(torch.tensor(row["tllm_logprob"], dtype=torch.float64),
+                                   scaled, rtol=0, atol=2e-5)  # fmt: skip
+    optimum, tempnet = torch.cat(optimum), torch.cat(tempnet)
+    assert 0.001 < optimum.min() < optimum.max() < 1.5  # interior optima, not just the bounds
+    assert summary["tllm_ppl"] == pytest.approx(math.exp(torch.cat(tllm).mean().item()), rel=1e-5)
+    assert summary["tempnet_tau_mean"] == pytest.approx(tempnet.mean().item(), rel=1e-5)
+    ppl = {t: math.exp(torch.cat(v).mean().item()) for t, v in grid.items()}
+    assert summary["tau_grid"] == pytest.approx({f"{t:g}": v for t, v in ppl.items()}, rel=1e-5)
+    assert summary["best_fixed_tau"] == min(ppl, key=ppl.get)
+    assert summary["tempnet_tllm_ppl"] == pytest.approx(
+        math.exp(torch.cat(beside).mean().item()), rel=1e-5
+    )
+    correlation = torch.corrcoef(torch.stack([optimum, tempnet]))[0, 1].item()
+    assert summary["tau_correlation"] == pytest.approx(correlation, abs=1e-4)
 
 
 def _lm_eval(setup, tmp_path, name: str, nproc: int, *extra) -> tuple[dict, dict]:

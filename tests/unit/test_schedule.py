@@ -323,3 +323,33 @@ def test_clip_refuses_a_batch_ramp():
     assert config.training.rampup_batch_size == (4, 4, 8)
     with pytest.raises(ConfigError, match="--rampup-batch-size is not built for CLIP"):
         validate_clip(config, 1)
+
+
+def test_tempnet_constant_lr_keeps_its_peak_while_the_lm_follows_the_schedule():
+    """--tempnet-constant-lr: the optimizer's groups as the engine builds them."""
+    import torch
+
+    from megatron_tempnet.trainer.engine import build_optimizer, model_and_own_groups
+
+    lm, tempnet = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+    module = torch.nn.ModuleDict({"lm": lm, "tempnet": tempnet})
+    optimizer = OptimizerConfig(
+        lr=PEAK, min_lr=FLOOR, lr_decay_style="cosine", lr_warmup_iters=WARMUP,
+        lr_warmup_init=INIT, lr_decay_iters=DECAY,
+    )  # fmt: skip
+    own = {"tempnet": (list(tempnet.parameters()), 10 * PEAK, 0.0)}
+    for constant in (frozenset(), frozenset({"tempnet"})):
+        groups = model_and_own_groups(module, optimizer, "lm", own, constant)
+        adamw = build_optimizer(groups, optimizer)
+        training = TrainingConfig(train_iters=ITERS, global_batch_size=GBS)
+        schedule = TrainSchedule(training.batch_schedule(), LRSchedule.from_config(optimizer, training))
+        for k in range(ITERS):
+            rates = schedule.set_learning_rates(adamw)
+            assert rates["lr"] == pytest.approx(reference("cosine", k), rel=1e-12)
+            if constant:
+                assert rates["tempnet_lr"] == 10 * PEAK
+            else:
+                expected = reference("cosine", k, 10 * PEAK, 10 * FLOOR)
+                assert rates["tempnet_lr"] == pytest.approx(expected, rel=1e-12)
+            schedule.begin(k + 1, k * GBS)
+            schedule.end(applied=True)

@@ -168,3 +168,35 @@ def test_w1_is_split_like_the_logits_at_llama3_vocabulary(vocab, tp, padded, col
         whole = llm.TempNetLM(vocab, tp_group=TPGroup(None, 0, 1))
     expected = {32000: 8_258_050, 128256: 32_899_586}[vocab]
     assert sum(p.numel() for p in whole.parameters()) == vocab * d1 + replicated == expected
+
+
+def test_dropout_acts_in_training_only_and_the_fused_stage_follows_the_module():
+    """--tempnet-dropout: the fused output stage draws the same mask as TempNet's own forward
+    (one chunk, same RNG state), so its tau and TempNet's gradients equal the unfused path's."""
+    from megatron_tempnet.losses import fused_output_stage, temperature_scaled_cross_entropy
+
+    torch.manual_seed(0)
+    net = TempNetLM(40, hidden_size=16, proj_size=8, dropout=0.5).double()
+    weight = torch.randn(40, 6, dtype=torch.float64)
+    hidden = torch.randn(12, 6, dtype=torch.float64)
+    target = torch.randint(0, 40, (12,))
+    logits = hidden @ weight.t()
+    net.eval()
+    kept = net(logits)
+    net.train()
+    grads = []
+    for fused in (False, True):
+        torch.manual_seed(1)
+        if fused:
+            out = fused_output_stage(hidden, weight, target, loss="ts-ce", vocab_size=40,
+                                     tempnet=net)  # fmt: skip
+            loss, tau = out.loss, out.tau
+        else:
+            tau = net(logits)
+            loss = temperature_scaled_cross_entropy(logits, target, tau, vocab_size=40)
+        assert (tau - kept).abs().max() > 1e-3  # the mask changes tau in training
+        net.zero_grad()
+        loss.sum().backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
+    for unfused, fused in zip(*grads):
+        torch.testing.assert_close(fused, unfused, rtol=1e-9, atol=1e-12)

@@ -74,6 +74,7 @@ def test_configuration_errors_name_the_flags():
         ({"tau_source": "newton", "rho": 0.0}, "needs --tempnet-rho > 0"),
         ({"tau_source": "fixed", "stop_grad": False}, "--no-tempnet-stop-grad needs"),
         ({"tau_source": "fixed", "fixed_tau": 0.0}, r"--fixed-tau \(0.0\)"),
+        ({"tempnet_dropout": 1.0}, r"--tempnet-dropout \(1.0\) must be in \[0, 1\)"),
     ]:
         with pytest.raises(LossConfigError, match=message):
             LossConfig(**kw).validate()

@@ -330,7 +330,8 @@ def _param_groups(module: CLIPTrainModule, config: CLIPRunConfig) -> list[ParamG
         # every stage needs every group: the temperature (last stage) has its own
         o, found = config.optimizer, [p for n, p in module.named_parameters() if _temperature(n)]
         own["temperature"] = (found or [module.group_placeholder("temperature")], o.lr, 0.0)
-    return model_and_own_groups(module, config.optimizer, "model", own)
+    constant = frozenset({"tempnet"} if t.tempnet_constant_lr else ())
+    return model_and_own_groups(module, config.optimizer, "model", own, constant)
 
 
 def _temperature(name: str) -> bool:

@@ -49,6 +49,8 @@ class LossConfig(TempNetConfig):
     (fixed: --fixed-tau), or each token's optimal tau by Newton's method (newton, Baseline 2)."""
     fixed_tau: float = 1.0
     """tau for --tau-source fixed."""
+    tempnet_dropout: float = 0.0
+    """Dropout on TempNet's hidden layer in training (the paper's own code uses 0.5)."""
     fused_output_stage: bool = option(True, name="--no-fused-output-stage")
     """The flag turns off the fused output stage (output layer, TempNet and loss computed chunk
     by chunk from the final hidden states, never holding the [tokens, V/tp] logits) and
@@ -72,6 +74,8 @@ class LossConfig(TempNetConfig):
         problem = self.range_problem() or self.rho_problem()
         if problem:
             raise LossConfigError(problem)
+        if not 0.0 <= self.tempnet_dropout < 1.0:
+            raise LossConfigError(f"--tempnet-dropout ({self.tempnet_dropout}) must be in [0, 1)")
         if self.tau_source == "fixed" and not self.fixed_tau > 0:
             raise LossConfigError(f"--fixed-tau ({self.fixed_tau}) must be > 0")
         if self.tau_source == "newton" and self.rho == 0:

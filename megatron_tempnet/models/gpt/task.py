@@ -164,6 +164,7 @@ def tempnet_kwargs(config: GPTRunConfig, tp_group) -> dict:
         tau_min=t.tau_min,
         tau_max=t.tau_max,
         padded_vocab_size=config.model.padded_vocab_size(tp),
+        dropout=t.tempnet_dropout,
         stop_grad=t.stop_grad,
         tp_group=tp_group,
     )
@@ -287,7 +288,8 @@ class GPTTask:
         if t.uses_tempnet and not tempnet_params:
             tempnet_params = [module.group_placeholder("tempnet")]
         own = {"tempnet": (tempnet_params, t.tempnet_lr, t.tempnet_weight_decay)}
-        return model_and_own_groups(module, config.optimizer, "lm", own)
+        constant = frozenset({"tempnet"} if t.tempnet_constant_lr else ())
+        return model_and_own_groups(module, config.optimizer, "lm", own, constant)
 
     def build_step(self, engine, optimizer, config: GPTRunConfig, data: TaskData):
         """``step(batches) -> (stats, grad_norm)`` for this layout (one process or a pipeline)."""
