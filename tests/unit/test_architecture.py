@@ -225,7 +225,8 @@ profile-step-end profile-step-start rampup-batch-size recompute-activations reco
 recompute-method recompute-num-layers reset-attention-mask reset-position-ids rope-scaling-factor
 rope-scaling-high-freq-factor rope-scaling-low-freq-factor
 rope-scaling-original-max-position-embeddings rotary-base rotary-percent save save-interval seed
-seq-length sequence-parallel split swiglu tau-source tempnet-hidden-size tempnet-lr
+seq-length sequence-parallel split swiglu tau-source tempnet-constant-lr tempnet-dropout
+tempnet-hidden-size tempnet-lr
 tempnet-proj-size tempnet-rho tempnet-tau-max tempnet-tau-min tempnet-weight-decay
 tensor-model-parallel-size tensorboard-dir tiktoken-pattern tokenizer-model tokenizer-type
 train-iters train-samples transformer-impl untie-embeddings-and-output-weights use-checkpoint-args
@@ -248,7 +249,8 @@ no-load-rng no-manual-gc-eval num-workers ood-data overlap-grad-reduce overlap-p
 patch-size pipeline-model-parallel-size pretrained-checkpoint profile profile-ranks
 profile-step-end profile-step-start quick-gelu rampup-batch-size recompute-activations
 recompute-granularity recompute-method recompute-num-layers save save-interval seed
-sequence-parallel skip-bad-samples sogclr-gamma tau-init tempnet-lr tempnet-proj-size tempnet-rho
+sequence-parallel skip-bad-samples sogclr-gamma tau-init tempnet-constant-lr tempnet-lr
+tempnet-proj-size tempnet-rho
 tempnet-tau-max tempnet-tau-min tempnet-weight-decay tensor-model-parallel-size tensorboard-dir
 text-heads text-hidden-size text-layers tokenizer-model tokenizer-type train-data train-iters
 train-samples use-checkpoint-args use-pytorch-profiler valid-data vision-heads vision-hidden-size
