@@ -342,7 +342,8 @@ def test_tempnet_constant_lr_keeps_its_peak_while_the_lm_follows_the_schedule():
         groups = model_and_own_groups(module, optimizer, "lm", own, constant)
         adamw = build_optimizer(groups, optimizer)
         training = TrainingConfig(train_iters=ITERS, global_batch_size=GBS)
-        schedule = TrainSchedule(training.batch_schedule(), LRSchedule.from_config(optimizer, training))
+        lr = LRSchedule.from_config(optimizer, training)
+        schedule = TrainSchedule(training.batch_schedule(), lr)
         for k in range(ITERS):
             rates = schedule.set_learning_rates(adamw)
             assert rates["lr"] == pytest.approx(reference("cosine", k), rel=1e-12)

@@ -1,8 +1,9 @@
-"""Convert a Hugging Face LLaMA-1/2/3.x, Mistral or GPT-2 model directory into a checkpoint of
-this project.
+r"""Convert a Hugging Face LLaMA-1/2/3.x, Mistral or GPT-2 model directory, or a llama.cpp GGUF
+file of a LLaMA-architecture model, into a checkpoint of this project.
 
     python tools/checkpoint/convert_hf_to_megatron.py --hf-dir Llama-2-70b-chat-hf \
         --target-tp 8 --target-pp 2 --save checkpoints/llama2-70b-chat
+    python tools/checkpoint/convert_hf_to_megatron.py --gguf SmolLM2.Q4_1.gguf --save ckpt/smollm2
 
 LLaMA-3.1/3.2's RoPE scaling (``rope_type: llama3``, in ``rope_scaling`` or transformers 5's
 ``rope_parameters``) becomes ``--use-rope-scaling`` and its ``--rope-scaling-*`` values; a
@@ -16,6 +17,17 @@ model flags this tool prints (also in ``DIR/model_flags.txt``). Tensors are read
 written one output file at a time: memory holds one TP rank's part of the model (PP = 1) or one
 layer (PP > 1), never the whole model twice. The vocabulary is padded for the target TP
 (``--make-vocab-size-divisible-by``); padded rows are zero.
+
+``--gguf FILE`` (needs ``pip install -e '.[gguf]'``) reads a GGUF file whose
+``general.architecture`` is ``llama`` (LLaMA, Mistral, SmolLM and others llama.cpp writes under
+that name): every tensor is dequantised to float32 when it is written (F32, F16, BF16, Q4_0 to
+Q8_0, the K-quants and IQ types that the ``gguf`` package reads; ``--dtype`` casts the result), and
+llama.cpp's order of the q/k rows is put back. Its tokenizer (``tokenizer.ggml.*``) is saved as a
+Hugging Face tokenizer in ``DIR/tokenizer/`` and recorded with the checkpoint, so
+``tools/generate.py --load DIR`` and ``tools/evaluate.py --load DIR`` need no tokenizer flags. A
+file with anything the model here does not compute (another architecture, RoPE scaling, a
+per-frequency ``rope_freqs`` tensor, biases, experts, a type ``gguf`` cannot dequantise) is refused
+by name before anything is written.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import sys
 import torch
 
 from megatron_tempnet.inference.checkpoint_io import write_checkpoint, write_model_flags
+from megatron_tempnet.inference.gguf_weights import GGUFWeights
 from megatron_tempnet.inference.hf_weights import HFWeights, from_hf, model_config_from_hf
 from megatron_tempnet.models.gpt.config import model_flags
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError, latest_tag
@@ -38,7 +51,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--hf-dir", required=True, help="a local transformers model directory")
+    p.add_argument("--hf-dir", help="a local transformers model directory (or --gguf)")
+    p.add_argument("--gguf", help="a llama.cpp GGUF file of a LLaMA model (or --hf-dir)")
     p.add_argument("--save", required=True, help="output checkpoint directory")
     p.add_argument("--target-tp", "--target-tensor-parallel-size", dest="tp", type=int, default=1)
     p.add_argument("--target-pp", "--target-pipeline-parallel-size", dest="pp", type=int, default=1)
@@ -50,28 +64,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if (args.hf_dir is None) == (args.gguf is None):
+        raise CheckpointError(
+            "give the model as --hf-dir DIR or as --gguf FILE"
+            if args.gguf is None
+            else f"--hf-dir {args.hf_dir} and --gguf {args.gguf}: give one of them, not both"
+        )
     if args.tp < 1 or args.pp < 1:
         raise CheckpointError(f"--target-tp ({args.tp}) and --target-pp ({args.pp}) must be >= 1")
     if os.path.isdir(args.save) and latest_tag(args.save) and not args.overwrite:
         raise CheckpointError(f"--save {args.save} already holds a checkpoint: use --overwrite")
-    hf = HFWeights(args.hf_dir)
-    model = model_config_from_hf(hf.config)
+    source = os.path.abspath(args.hf_dir or args.gguf)
+    weights = HFWeights(args.hf_dir) if args.hf_dir else GGUFWeights(args.gguf)
+    model = model_config_from_hf(weights.config)
     model.make_vocab_size_divisible_by = args.make_vocab_size_divisible_by
     if model.num_layers % args.pp:
         raise CheckpointError(
             f"--target-pp ({args.pp}) must divide the model's {model.num_layers} layers"
         )
-    read = from_hf(model, hf)
+    model.validate(args.tp)  # before the tokenizer is written
+    read = from_hf(model, weights)
     cast = DTYPES.get(args.dtype)
-    config = {"tokenizer": _tokenizer(args.hf_dir), "converted_from": os.path.abspath(args.hf_dir)}
+    if args.hf_dir:
+        tokenizer = _tokenizer(args.hf_dir)
+    else:
+        tokenizer = _saved_tokenizer(weights.save_tokenizer(os.path.join(args.save, "tokenizer")))
     path = write_checkpoint(
         args.save,
         model,
         (lambda n: read(n).to(cast)) if cast else read,
         tensor_parallel=args.tp,
         pipeline_parallel=args.pp,
-        config=config,
-        note=f"Weights only, converted from {os.path.abspath(args.hf_dir)}.\n",
+        config={"tokenizer": tokenizer, "converted_from": source},
+        note=f"Weights only, converted from {source}.\n",
     )
     flags = write_model_flags(args.save, model_flags(model))
     print(
@@ -85,11 +110,15 @@ def main(argv: list[str] | None = None) -> int:
 def _tokenizer(hf_dir: str) -> dict | None:
     """The HF directory's own tokenizer, as --tokenizer-type HuggingFaceTokenizer."""
     if any(os.path.isfile(os.path.join(hf_dir, f)) for f in _TOKENIZER_FILES):
-        return {
-            "tokenizer_type": "HuggingFaceTokenizer",
-            "tokenizer_model": os.path.abspath(hf_dir),
-        }
+        return _saved_tokenizer(hf_dir)
     return None
+
+
+def _saved_tokenizer(directory: str | None) -> dict | None:
+    """An HF tokenizer directory as the checkpoint records it (tools build it with no flags)."""
+    if directory is None:
+        return None
+    return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": os.path.abspath(directory)}
 
 
 if __name__ == "__main__":
