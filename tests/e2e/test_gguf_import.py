@@ -328,3 +328,32 @@ def test_what_the_model_does_not_compute_is_refused(converted, tmp_path, monkeyp
     assert _refused(tmp_path, "--gguf", path) == (
         f"--gguf {path}: reading GGUF files needs the `gguf` package: pip install -e '.[gguf]'"
     )
+
+
+def _decode_blocks(raw: np.ndarray, qtype) -> np.ndarray:
+    """Q8_0, Q4_0 and Q4_1 decoded from their bytes as ggml lays them out (32 values a block:
+    an f16 scale d, for Q4_1 an f16 minimum m, then int8 values (Q8_0: d q) or 16 bytes of
+    nibbles, the low ones the block's first 16 values (Q4_0: d (q - 8); Q4_1: d q + m))."""
+    head = {Q.Q8_0: 2, Q.Q4_0: 2, Q.Q4_1: 4}[qtype]
+    blocks = raw.reshape(-1, head + (32 if qtype == Q.Q8_0 else 16))
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float64)
+    if qtype == Q.Q8_0:
+        return (d * blocks[:, 2:].view(np.int8)).reshape(-1)
+    nibbles = blocks[:, head:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1).astype(np.float64)
+    if qtype == Q.Q4_0:
+        return (d * (q - 8)).reshape(-1)
+    return (d * q + blocks[:, 2:4].copy().view(np.float16).astype(np.float64)).reshape(-1)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_dequantisation_follows_the_block_layout(qtype):
+    """The values the import reads equal a decoder of the bytes written here, independent of the
+    ``gguf`` package's own dequantiser (which transformers' reference shares)."""
+    weights = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(weights, qtype)
+    read = real_dequantize(raw, qtype)
+    assert read.shape == weights.shape
+    np.testing.assert_allclose(read.reshape(-1), _decode_blocks(raw.reshape(-1), qtype), rtol=1e-6)
+    scale = np.abs(weights).max()
+    assert np.abs(read - weights).max() < {Q.Q8_0: 0.01, Q.Q4_0: 0.2, Q.Q4_1: 0.2}[qtype] * scale
