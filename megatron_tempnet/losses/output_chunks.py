@@ -107,13 +107,19 @@ class Gradients:
     """TempNet's parameters after ``W1`` (None where not wanted)."""
     rows: WholeRows
     """Where the hidden states' rows are (``output_rows``)."""
+    w1_h: torch.Tensor | None = None
+    """``[d1, h]``: W1's gradient before the output weight, ``sum_t (g_y / ||L||)_t h_t^T``,
+    when TempNet's product is factored (``w1_through_weight``); ``finish`` multiplies it by
+    the weight's true rows."""
 
     @classmethod
-    def zeros(cls, needs, hidden, weight, w1, cdtype, eager: bool, rows: WholeRows) -> Gradients:
+    def zeros(
+        cls, needs, hidden, weight, w1, cdtype, eager: bool, rows: WholeRows, factored=False
+    ) -> Gradients:
         """Zero gradients for the inputs that need one (``needs``: the autograd function's
         ``needs_input_grad``). 16-bit hidden gradients computed eagerly stay float32 until the
-        backward pass has scaled them."""
-        grad_hidden = grad_weight = grad_w1 = None
+        backward pass has scaled them. ``factored``: W1's gradient goes through ``w1_h``."""
+        grad_hidden = grad_weight = grad_w1 = w1_h = None
         if needs[2]:
             wide = hidden.dtype in (torch.float32, torch.float64) or not eager
             dtype = hidden.dtype if wide else torch.float32
@@ -121,9 +127,11 @@ class Gradients:
         if needs[3]:  # float32 accumulation over the chunks, also for 16-bit weights
             acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
             grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        if needs[4]:
+        if needs[4] and factored:
+            w1_h = torch.zeros(w1.shape[0], hidden.shape[-1], dtype=cdtype, device=w1.device)
+        elif needs[4]:
             grad_w1 = torch.zeros(w1.shape, dtype=cdtype, device=w1.device)
-        return cls(grad_hidden, grad_weight, grad_w1, [None] * len(needs[5:]), rows)
+        return cls(grad_hidden, grad_weight, grad_w1, [None] * len(needs[5:]), rows, w1_h)
 
     def add_projection(self, grads) -> None:
         for i, grad in enumerate(grads):
@@ -132,13 +140,15 @@ class Gradients:
                 self.projection[i] = grad if known is None else known + grad
 
     def scale_(self, c: torch.Tensor) -> None:
-        for t in [self.hidden, self.weight, self.w1, *self.projection]:
+        for t in [self.hidden, self.weight, self.w1, self.w1_h, *self.projection]:
             if t is not None:
                 t.mul_(c.to(t.dtype))
 
     def finish(self, hidden, weight, w1) -> tuple:
         """The gradients in the inputs' dtypes, the hidden states' summed over the TP group."""
         grad_hidden, grad_weight, grad_w1 = self.hidden, self.weight, self.w1
+        if self.w1_h is not None:  # [d1, h] x [h, n_true]: the true rows are the local first
+            grad_w1 = self.w1_h @ weight[: w1.shape[1]].to(self.w1_h.dtype).t()
         if grad_hidden is not None:
             self.rows.finish(grad_hidden)  # each vocabulary shard's part of dL/dh
             grad_hidden = grad_hidden.to(hidden.dtype)
@@ -149,20 +159,43 @@ class Gradients:
         return (grad_hidden, grad_weight, grad_w1, *self.projection)
 
 
+def w1_through_weight(plan: Plan, w1c, weight, n_true: int, tokens: int) -> torch.Tensor | None:
+    """``W1 W_true`` ``[d1, h]`` (this rank's vocabulary), when forming TempNet's product as
+    ``h (W1 W_true)^T`` costs less than ``L W1^T``; None otherwise.
+
+    ``W1 L = W1 (W_true h) = (W1 W_true) h``: one ``[d1, V] x [V, h]`` product per call and
+    ``[c, h] x [h, d1]`` per chunk, instead of ``[c, V] x [V, d1]`` per chunk, and W1's gradient
+    ``(g_y / ||L||)^T L = ((g_y / ||L||)^T H) W_true`` likewise. Fewer multiply-adds when the
+    call has more than ``V h / (V - h)`` tokens (about ``h``). Only with the stop-gradient
+    (TempNet's input is then a function of ``h`` alone for every gradient); the same math, its
+    sums associated in another order.
+    """
+    if plan.tempnet is None or not plan.tempnet.stop_grad or n_true <= weight.shape[1]:
+        return None
+    if tokens * (n_true - weight.shape[1]) <= n_true * weight.shape[1]:
+        return None
+    return w1c @ weight[:n_true].to(w1c.dtype)
+
+
 def chunk_logits(h_c: torch.Tensor, weight: torch.Tensor, dtype) -> torch.Tensor:
     """``[c, h] x [V_pad/tp, h]^T`` in the LM's dtype (as its output layer), then ``dtype``."""
     return torch.matmul(h_c, weight.t()).to(dtype)
 
 
-def forward_chunk(plan: Plan, part, logits, target, w1c, state: State, rows, graph) -> None:
-    """The chunk's per-token values into ``state`` (``logits [c, V_pad/tp]`` is not changed)."""
+def forward_chunk(plan: Plan, part, logits, target, w1c, state: State, rows, graph, y_local=None):
+    """The chunk's per-token values into ``state`` (``logits [c, V_pad/tp]`` is not changed).
+    ``y_local``: TempNet's ``W1 L`` on this rank's vocabulary ``[c, d1]`` when the caller
+    formed it (``w1_through_weight``)."""
     tp, x = plan.tp, logits[:, : part.n_true]
     row_max = torch.amax(x, dim=1) if part.n_true else x.new_full((x.shape[0],), -math.inf)
     tp.all_reduce(row_max, op=dist.ReduceOp.MAX)
     target_logit, _, _ = dro_math.gather_target_logits(x, target, part.start, part.n_true)
     if plan.tempnet is not None:
         bundle = torch.empty(x.shape[0], w1c.shape[0] + 2, dtype=x.dtype, device=x.device)
-        torch.matmul(x, w1c.t(), out=bundle[:, :-2])
+        if y_local is None:
+            torch.matmul(x, w1c.t(), out=bundle[:, :-2])
+        else:
+            bundle[:, :-2] = y_local
         bundle[:, -2] = torch.linalg.vector_norm(x, dim=1).square()
         bundle[:, -1] = target_logit
         tp.all_reduce(bundle)  # TempNet's input and the target logit, one all-reduce
@@ -266,6 +299,8 @@ def chunk_gradients(plan: Plan, part, logits, g, values: Rows, h_c, weight, w1c,
         scaled = values.grad_y / values.norm[:, None]  # [c, d1]: dTempNet/dy / ||L||
         if grads.w1 is not None:
             grads.w1.addmm_(scaled.t(), x)
+        elif grads.w1_h is not None:
+            grads.w1_h.addmm_(scaled.t(), h_c.to(scaled.dtype))
     if grads.hidden is None and grads.weight is None:
         return
     logit_coef = None

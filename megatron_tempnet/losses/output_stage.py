@@ -25,7 +25,11 @@ Per chunk, over the tensor-parallel group (the vocabulary is split as megatron-c
 The gradients need one SUM all-reduce in all, in the backward pass: the hidden states' gradient
 ``[T, h]``, which is partial on each vocabulary shard (megatron-core's column-parallel layer does
 the same).
-Everything is exact: the same math (``dro_math``) on the same values as the unfused path.
+Everything is exact: the same math (``dro_math``) on the same values as the unfused path. With a
+stop-gradient TempNet and more tokens than about the hidden size, TempNet's first product is
+formed through the output weight, ``W1 L = (W1 W) h`` (``output_chunks.w1_through_weight``): the
+same sums in another order, with ``[d1, V] x [V, h]`` once per call instead of ``[c, V] x [V,
+d1]`` per chunk, in both passes (setting iii's largest cost after the LM itself).
 
 With sequence parallelism (``sequence_parallel=True``) each rank holds its sequence shard
 ``[s/tp, b, h]`` of the hidden states: a chunk gathers ``c/tp`` rows from every rank (one
@@ -51,6 +55,7 @@ from megatron_tempnet.losses.output_chunks import (
     chunk_logits,
     forward_chunk,
     tempnet_backward,
+    w1_through_weight,
 )
 from megatron_tempnet.losses.output_rows import token_rows
 
@@ -88,21 +93,25 @@ class _FusedOutputStage(torch.autograd.Function):
         layout = token_rows(hidden, plan.tp, plan.chunk, plan.sequence_parallel)
         target = layout.to_stage(target)  # [T] in the order the chunks take the tokens
         state = State.empty(layout.tokens, cdtype, hidden.device, plan.eval_terms)
+        w1c = None if w1 is None else w1.to(cdtype)
+        through = w1_through_weight(plan, w1c, weight, part.n_true, layout.tokens)
         grads = None
         if plan.eager and any(needs[2:]):
-            grads = Gradients.zeros(needs, hidden, weight, w1, cdtype, eager=True, rows=layout)
+            grads = Gradients.zeros(needs, hidden, weight, w1, cdtype, eager=True, rows=layout,
+                                    factored=through is not None)  # fmt: skip
         graph: list = []  # TempNet's layers after W1, per chunk: (y leaf, tau)
-        w1c = None if w1 is None else w1.to(cdtype)
         for rows in layout.chunks():
             h_c = layout.rows(hidden, rows)  # [c, h]
             logits = chunk_logits(h_c, weight, cdtype)  # [c, V_pad/tp]
             recorded = len(graph)
-            forward_chunk(plan, part, logits, target[rows], w1c, state, rows, graph)
+            y_local = None if through is None else h_c.to(cdtype) @ through.t()  # [c, d1]
+            forward_chunk(plan, part, logits, target[rows], w1c, state, rows, graph, y_local)
             if grads is not None:
                 eager = graph[recorded:], needs[5:], grads
                 _eager_chunk(plan, part, logits, state, target, rows, h_c, weight, w1c, eager)
             del logits, h_c
         ctx.plan, ctx.part, ctx.graph, ctx.grads, ctx.layout = plan, part, graph, grads, layout
+        ctx.factored = through is not None
         saved = [state.tau, state.row_max, state.sum_exp, state.norm, state.dtau]
         ctx.save_for_backward(hidden, weight, w1, target, *saved)
         outputs = tuple(layout.to_tokens(v) for v in state.outputs())
@@ -122,7 +131,8 @@ class _FusedOutputStage(torch.autograd.Function):
         g = layout.to_stage(grad_loss.to(vectors[0].dtype))
         left = None  # the tokens whose gradients are computed here (None: all)
         if grads is None:
-            grads = Gradients.zeros(needs, hidden, weight, w1, g.dtype, eager=False, rows=layout)
+            grads = Gradients.zeros(needs, hidden, weight, w1, g.dtype, eager=False, rows=layout,
+                                    factored=ctx.factored)  # fmt: skip
         else:  # the forward pass's gradients are for g = 1: scale them by g's usual value
             usual = _most_common(g)
             grads.scale_(usual)
@@ -156,7 +166,7 @@ def _recompute(ctx, g, left, grads: Gradients, hidden, weight, w1, target, vecto
         grad_y, by_param = tempnet_backward(plan, ctx.graph, g * dtau, needs[5:], keep=False)
         grads.add_projection(by_param)
         y = torch.cat([leaf.detach() for leaf, _ in ctx.graph])
-    if grads.hidden is None and grads.weight is None and grads.w1 is None:
+    if grads.hidden is None and grads.weight is None and grads.w1 is None and grads.w1_h is None:
         return
     w1c = None if w1 is None else w1.to(g.dtype)
     layout = ctx.layout

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from tests.helpers.distributed import run_distributed
 
 PADDED, HIDDEN, STAGE_SEQ, STAGE_BATCH, CHUNK = 208, 16, 8, 3, 7
+TEMPNET_D1 = 8
 STAGE_VOCAB = 203
 # (--loss, --tau-source, TempNet's stop-gradient)
 OBJECTIVES = [
@@ -92,7 +93,7 @@ def _stage(sharded: bool, objective: tuple, upstream: str, dtype, train: bool = 
         torch.manual_seed(3)
         tempnet = TempNetLM(
             STAGE_VOCAB,
-            hidden_size=8,
+            hidden_size=TEMPNET_D1,
             proj_size=6,
             tau_min=0.05,
             padded_vocab_size=PADDED,
@@ -165,10 +166,14 @@ def test_the_fused_stage_on_sequence_shards_computes_the_whole_sequences(stage_r
                 err = float((got - want).abs().max()) / scale
                 assert err <= tolerance, (tp, rank, case, name, err)
             # no [tokens, h] tensor: the hidden rows it holds are this rank's shard (and its
-            # gradient) or one gathered chunk (the output weight [V/tp, h] and its gradient
-            # aside); the whole-sequence stage holds [tokens, h], which the check would find
+            # gradient) or one gathered chunk (the output weight [V/tp, h], its true rows, its
+            # gradient and TempNet's [d1, h] product through it aside); the whole-sequence
+            # stage holds [tokens, h], which the check would find
+            from megatron_tempnet.distributed.groups import vocab_partition
+
+            n_true = vocab_partition(PADDED // tp, rank, STAGE_VOCAB).n_true
             rows = [s[0] for s in sharded["shapes"] if len(s) == 2 and s[1] == HIDDEN]
-            largest = max(r for r in rows if r != PADDED // tp)
+            largest = max(r for r in rows if r not in (PADDED // tp, n_true, TEMPNET_D1))
             assert largest <= max(CHUNK, tokens // tp) < tokens, (case, rows)
             if "hidden" in whole:
                 whole_rows = [s[0] for s in whole["shapes"] if len(s) == 2 and s[1] == HIDDEN]

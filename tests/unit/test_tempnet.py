@@ -200,3 +200,36 @@ def test_dropout_acts_in_training_only_and_the_fused_stage_follows_the_module():
         grads.append([p.grad.clone() for p in net.parameters()])
     for unfused, fused in zip(*grads):
         torch.testing.assert_close(fused, unfused, rtol=1e-9, atol=1e-12)
+
+
+def test_tempnet_s_product_through_the_output_weight_is_the_same_math(monkeypatch):
+    """With the stop-gradient and more tokens than ~h, the fused stage forms ``W1 L`` as
+    ``(W1 W) h`` (and W1's gradient through ``H``): tau, the loss and every gradient equal the
+    direct product's in float64."""
+    from megatron_tempnet.losses import fused_output_stage, output_chunks, output_stage
+
+    torch.manual_seed(0)
+    net = TempNetLM(50, hidden_size=12, proj_size=8, padded_vocab_size=56).double()
+    weight = torch.randn(56, 6, dtype=torch.float64, requires_grad=True)
+    hidden = torch.randn(40, 6, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 50, (40,))
+    mask = (torch.arange(40) % 7 != 0).double()  # masked tokens: the backward's recomputation
+    chosen = []
+
+    def recorded(*args):
+        through = output_chunks.w1_through_weight(*args)
+        chosen.append(through is not None)
+        return through
+
+    results = []
+    for factored in (True, False):
+        monkeypatch.setattr(output_stage, "w1_through_weight", recorded if factored
+                            else lambda *args: None)  # fmt: skip
+        out = fused_output_stage(hidden, weight, target, loss="dro", rho=2.0, vocab_size=50,
+                                 tempnet=net, chunk_size=9)  # fmt: skip
+        params = [hidden, weight, *net.parameters()]
+        grads = torch.autograd.grad((out.loss * mask).sum() * 0.37, params)  # g: 0.37 or 0
+        results.append([out.tau, out.loss, *grads])
+    assert chosen == [True]
+    for factored, direct in zip(*results):
+        torch.testing.assert_close(factored, direct, rtol=1e-10, atol=1e-12)
