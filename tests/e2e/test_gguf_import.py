@@ -357,3 +357,36 @@ def test_dequantisation_follows_the_block_layout(qtype):
     np.testing.assert_allclose(read.reshape(-1), _decode_blocks(raw.reshape(-1), qtype), rtol=1e-6)
     scale = np.abs(weights).max()
     assert np.abs(read - weights).max() < {Q.Q8_0: 0.01, Q.Q4_0: 0.2, Q.Q4_1: 0.2}[qtype] * scale
+
+
+def test_the_real_lm_example_runs_on_a_small_file(converted, tmp_path):
+    """``examples/real_lm.py`` (``make real-lm``) end to end on the small grouped-query file
+    instead of SmolLM2: import, parity with transformers, TempNet trained two ways on the frozen
+    LM, the held-out table from tools/evaluate.py, the picture and the generations."""
+    import json
+    import re
+    import subprocess
+
+    out = tmp_path / "rl"
+    cmd = [sys.executable, os.path.join(REPO, "examples", "real_lm.py"), "--out", str(out),
+           "--gguf", str(converted["files"]["gqa"]), "--iters", "4", "--seq-length", "32",
+           "--runs", "dro", "ts-ce", "--max-heldout", "3"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    difference = re.search(r"largest per-token difference ([\d.e+-]+) nats", r.stdout)
+    assert difference and float(difference[1]) < 1e-4, r.stdout
+    results = json.loads((out / "results.json").read_text())
+    dro, rows = results["runs"]["dro"], results["rows"]
+    assert dro["best_fixed_tllm_ppl"] == min(dro["tau_grid"].values())
+    assert rows["tau = 1"][3] == dro["ppl"] == dro["tau_grid"]["1"]
+    assert rows["per-token DRO optimum (Baseline 2, exact)"][3] == dro["tllm_ppl"]
+    tsce = rows["TS-CE TempNet (Baseline 3 loss)"]
+    assert tsce[3] == results["runs"]["ts-ce"]["tempnet_tllm_ppl"]
+    for name in rows:  # the table prints every row with its perplexity
+        assert re.search(rf"{re.escape(name)} +\|.*\| +{rows[name][3]:.2f}\n", r.stdout), name
+    assert (out / "tau.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for tag in ("tempnet", "tau1", "transformers"):
+        lines = (out / f"generations_{tag}.jsonl").read_text().splitlines()
+        records = [json.loads(x) for x in lines]
+        assert len(records) == 3 and all(len(g["tau"]) > 0 for g in records), tag
+    assert "TS-CE loss" in r.stdout and r.stderr == ""
