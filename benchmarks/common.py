@@ -59,3 +59,14 @@ def machine(device) -> str:
     return (
         f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
     )
+
+
+def write_json(path: str, args, targets, **sections) -> None:
+    """A benchmark's results as JSON: the machine, its arguments, ``sections`` and the targets
+    (``(check, value, limit, passed)`` rows)."""
+    import json
+
+    rows = [dict(check=d, value=v, limit=lim, passed=ok) for d, v, lim, ok in targets]
+    record = {"machine": machine(args.device), "args": vars(args), **sections, "targets": rows}
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2)

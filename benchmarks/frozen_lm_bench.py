@@ -43,7 +43,6 @@ project, loaded as ``--pretrained-checkpoint`` (its architecture from the checkp
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -374,20 +373,8 @@ def main() -> None:
         pieces = profile(built["cases"], data, shape, args.profile_steps)
     targets = report(args, shape, results, pieces)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "machine": common.machine(args.device),
-                    "args": vars(args),
-                    "shape": shape,
-                    "results": results,
-                    "profile_ms": pieces,
-                    "targets": [dict(check=d, value=v, limit=lim, passed=ok)
-                                for d, v, lim, ok in targets],
-                },
-                f,
-                indent=2,
-            )  # fmt: skip
+        common.write_json(args.json, args, targets, shape=shape, results=results,
+                          profile_ms=pieces)  # fmt: skip
 
 
 if __name__ == "__main__":

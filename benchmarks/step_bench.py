@@ -314,18 +314,7 @@ def main() -> None:
     results["losses"] = _child(args, "losses", seq_length=args.seq_lengths[0])
     targets = _report(args, results)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "machine": common.machine(args.device),
-                    "args": vars(args),
-                    "results": results,
-                    "targets": [dict(check=d, value=v, limit=lim, passed=ok)
-                                for d, v, lim, ok in targets],
-                },
-                f,
-                indent=2,
-            )  # fmt: skip
+        common.write_json(args.json, args, targets, results=results)
 
 
 if __name__ == "__main__":
