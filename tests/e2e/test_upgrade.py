@@ -81,7 +81,15 @@ def test_an_upgraded_training_checkpoint_resumes_exactly(train, tmp_path):
     run_entry_point("pretrain_gpt.py", 2, _flags(spec, corpus, train, metrics), device_rule=False)
     rows = [json.loads(line) for line in open(metrics)]
     resumed = [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
-    assert resumed == spec["straight_metrics"][2:]  # iterations 3 and 4, bit for bit
+    straight = spec["straight_metrics"][2:]  # iterations 3 and 4
+    assert [sorted(r) for r in resumed] == [sorted(r) for r in straight]
+    exact = ("iteration", "tokens", "lr", "tempnet_lr", "consumed_samples", "global_batch_size")
+    for got_row, want_row in zip(resumed, straight, strict=True):
+        assert {k: got_row[k] for k in exact} == {k: want_row[k] for k in exact}
+        # the losses, tau's statistics and the norm: the same up to float32 rounding, as the
+        # fused stage now forms TempNet's first product through the output weight (the same
+        # sums in another order than the fixture's code)
+        assert got_row == pytest.approx(want_row, rel=1e-5, abs=1e-9)
 
 
 def test_an_upgraded_conversion_holds_the_converted_weights(tmp_path):
