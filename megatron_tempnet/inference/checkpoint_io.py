@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from megatron_tempnet.models.gpt.config import ModelConfig
+from megatron_tempnet.models.gpt.layers import PieceIndex, piece_key
 from megatron_tempnet.trainer.checkpoint_format import (
     FROZEN_LM_EXCLUDED,
     TRAIN_STATE,
@@ -36,31 +37,33 @@ from megatron_tempnet.utils.progress import progress
 
 TEMPNET_PREFIX = "tempnet."
 FORMAT = 2
+WORD_EMBEDDINGS = piece_key(PieceIndex.embedding, "word_embeddings.weight")
+"""The LM's first tensor: a checkpoint without it holds TempNet only."""
 
 
 def lm_names(model: ModelConfig) -> list[str]:
     """The LM's state-dict keys in ``GPTStack`` (``pieces.{i}.…``), in order."""
+    at = PieceIndex(model.num_layers)
     bias = model.add_bias_linear
     norm = ["weight", "bias"] if model.normalization == "LayerNorm" else ["weight"]
     linear = ["weight", "bias", "_extra_state"] if bias else ["weight", "_extra_state"]
-    names = ["pieces.0.word_embeddings.weight"]
+    names = [WORD_EMBEDDINGS]
     tied = not model.untie_embeddings_and_output_weights
     if tied:
-        names.append("pieces.0.output_layer._extra_state")
+        names.append(piece_key(at.embedding, "output_layer._extra_state"))
     if model.position_embedding_type == "learned_absolute":
-        names.append("pieces.1.position_embeddings.weight")
-    for i in range(2, model.num_layers + 2):
-        layer = f"pieces.{i}.layer."
+        names.append(piece_key(at.embedding_output, "position_embeddings.weight"))
+    for i in range(model.num_layers):
+        layer = piece_key(at.layer(i), "layer.")
         names += [layer + "input_layernorm." + n for n in norm]
         for part in ("self_attention.linear_proj", "self_attention.linear_qkv"):
             names += [f"{layer}{part}.{n}" for n in linear]
         names += [layer + "pre_mlp_layernorm." + n for n in norm]
         for part in ("mlp.linear_fc1", "mlp.linear_fc2"):
             names += [f"{layer}{part}.{n}" for n in linear]
-    names += [f"pieces.{model.num_layers + 2}.norm.{n}" for n in norm]
+    names += [piece_key(at.final_norm, f"norm.{n}") for n in norm]
     if not tied:
-        last = model.num_layers + 3
-        names += [f"pieces.{last}.output_layer.weight", f"pieces.{last}.output_layer._extra_state"]
+        names += [piece_key(at.output, f"output_layer.{n}") for n in ("weight", "_extra_state")]
     return names
 
 
@@ -91,7 +94,7 @@ class CheckpointReader:
         return list(self._names)
 
     def has_lm(self) -> bool:
-        return "pieces.0.word_embeddings.weight" in self._names
+        return WORD_EMBEDDINGS in self._names
 
     def has_tempnet(self) -> bool:
         return any(k.startswith(TEMPNET_PREFIX) for k in self._names)

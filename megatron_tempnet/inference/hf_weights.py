@@ -1,9 +1,10 @@
 """Hugging Face ``transformers`` LLaMA-1/2/3, Mistral and GPT-2 weights <-> this project's full
 tensors.
 
-Full tensors are named as in ``GPTStack`` (``pieces.{i}.…``, see ``models.sharding``): piece 0
-the word embeddings, 1 the learned positions, ``2 .. L+1`` the transformer layers, ``L+2`` the
-final norm, ``L+3`` the untied output layer.
+Full tensors are named as in ``GPTStack`` (``pieces.{i}.…``, ``i`` from
+``models.gpt.layers.PieceIndex``; split over TP ranks by ``distributed.sharding``). One table,
+``_name_map``, gives each of them its HF tensors and how they map both ways; ``from_hf`` and
+``to_hf`` both read it:
 
 - Attention: megatron-core keeps q, k and v in one ``linear_qkv`` weight, grouped by key/value
   head: for each of the ``G`` query groups, its ``H/G`` query heads, then its key head, then its
@@ -34,10 +35,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
 import torch
 
 from megatron_tempnet.models.gpt.config import ModelConfig
+from megatron_tempnet.models.gpt.layers import PieceIndex, piece_key
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 from megatron_tempnet.trainer.file_io import load_file
 
@@ -373,91 +376,130 @@ def _ungroup_qkv(qkv, heads: int, groups: int):
     return (t.reshape(-1, *tail).contiguous() for t in (q, k, v))
 
 
-def _layer_map(model: ModelConfig) -> dict[str, str]:
-    """Our layer-relative name -> HF's layer-relative name (single-tensor correspondences)."""
+def _one(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0]
+
+
+def _alone(tensor: torch.Tensor) -> list[torch.Tensor]:
+    return [tensor]
+
+
+@dataclass(frozen=True)
+class _TensorMap:
+    """One of our full tensors and the Hugging Face tensors it is made of, both ways."""
+
+    hf: tuple[str, ...]
+    """HF's names, after ``prefix``."""
+    prefix: str = ""
+    """``model.`` (LLaMA), ``transformer.`` (GPT-2; old files lack it) or none (``lm_head``)."""
+    merge: Callable[[list[torch.Tensor]], torch.Tensor] = _one
+    """HF's tensors (in ``hf``'s order, Conv1D weights transposed) -> ours."""
+    split: Callable[[torch.Tensor], list[torch.Tensor]] = _alone
+    """Ours -> HF's tensors (before Conv1D weights are transposed): the inverse of ``merge``."""
+    conv1d: bool = False
+    """GPT-2's Conv1D weight, stored ``[in, out]``: transposed both ways."""
+    norm: bool = False
+    """A norm's weight: shifted by 1 with ``--apply-layernorm-1p``."""
+
+    def read(self, hf: HFWeights) -> torch.Tensor:
+        """Our tensor, from HF's."""
+        tensors = []
+        for name in self.hf:
+            # without the prefix too: old GPT-2 files lack "transformer."
+            tensor = hf.get(self.prefix + name, name) if self.prefix else hf.get(name)
+            tensors.append(tensor.t() if self.conv1d else tensor)
+        return self.merge(tensors)
+
+    def write(self, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(HF's name, HF's tensor)`` for each of HF's tensors, from ours."""
+        for name, part in zip(self.hf, self.split(tensor), strict=True):
+            yield self.prefix + name, (part.t() if self.conv1d else part).contiguous()
+
+
+def _layer_map(model: ModelConfig) -> dict[str, _TensorMap]:
+    """Our name inside a ``TransformerPiece``'s ``layer`` -> its map (HF's names inside a
+    layer, no prefix)."""
+    heads = model.num_attention_heads
+    groups = model.num_query_groups or heads
     if architecture(model) in _LLAMA_TYPES:
-        names = {
-            "input_layernorm.weight": "input_layernorm.weight",
-            "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-            "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-            "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+        maps = {
+            "input_layernorm.weight": _TensorMap(("input_layernorm.weight",), norm=True),
+            "pre_mlp_layernorm.weight": _TensorMap(("post_attention_layernorm.weight",), norm=True),
         }
-        if model.add_bias_linear:
-            names["self_attention.linear_proj.bias"] = "self_attn.o_proj.bias"
-            names["mlp.linear_fc2.bias"] = "mlp.down_proj.bias"
-        return names
-    return {
-        "input_layernorm.weight": "ln_1.weight",
-        "input_layernorm.bias": "ln_1.bias",
-        "self_attention.linear_proj.weight": "attn.c_proj.weight",
-        "self_attention.linear_proj.bias": "attn.c_proj.bias",
-        "pre_mlp_layernorm.weight": "ln_2.weight",
-        "pre_mlp_layernorm.bias": "ln_2.bias",
-        "mlp.linear_fc1.weight": "mlp.c_fc.weight",
-        "mlp.linear_fc1.bias": "mlp.c_fc.bias",
-        "mlp.linear_fc2.weight": "mlp.c_proj.weight",
-        "mlp.linear_fc2.bias": "mlp.c_proj.bias",
-    }
+        for p in ("weight", "bias") if model.add_bias_linear else ("weight",):
+            maps[f"self_attention.linear_qkv.{p}"] = _TensorMap(
+                tuple(f"self_attn.{x}_proj.{p}" for x in "qkv"),
+                merge=lambda t: _group_qkv(*t, groups),
+                split=lambda t: list(_ungroup_qkv(t, heads, groups)),
+            )
+            maps[f"self_attention.linear_proj.{p}"] = _TensorMap((f"self_attn.o_proj.{p}",))
+            maps[f"mlp.linear_fc1.{p}"] = _TensorMap(  # SwiGLU: [gate_proj; up_proj]
+                (f"mlp.gate_proj.{p}", f"mlp.up_proj.{p}"),
+                merge=torch.cat,
+                split=lambda t: list(t.chunk(2, dim=0)),
+            )
+            maps[f"mlp.linear_fc2.{p}"] = _TensorMap((f"mlp.down_proj.{p}",))
+        return maps
+    maps = {}
+    for p in ("weight", "bias"):
+        weight = p == "weight"  # GPT-2: every linear layer's weight is a Conv1D's
+        maps[f"input_layernorm.{p}"] = _TensorMap((f"ln_1.{p}",), norm=weight)
+        maps[f"self_attention.linear_qkv.{p}"] = _TensorMap(  # one [q | k | v]
+            (f"attn.c_attn.{p}",),
+            merge=lambda t: _group_qkv(*t[0].chunk(3, dim=0), groups),
+            split=lambda t: [torch.cat(list(_ungroup_qkv(t, heads, groups)))],
+            conv1d=weight,
+        )
+        maps[f"self_attention.linear_proj.{p}"] = _TensorMap((f"attn.c_proj.{p}",), conv1d=weight)
+        maps[f"pre_mlp_layernorm.{p}"] = _TensorMap((f"ln_2.{p}",), norm=weight)
+        maps[f"mlp.linear_fc1.{p}"] = _TensorMap((f"mlp.c_fc.{p}",), conv1d=weight)
+        maps[f"mlp.linear_fc2.{p}"] = _TensorMap((f"mlp.c_proj.{p}",), conv1d=weight)
+    return maps
 
 
-def _is_norm_weight(name: str, num_layers: int) -> bool:
-    """A norm's weight among our full tensors (``pieces.{i}.…``): the layers' two and the
-    final norm's."""
-    index, rest = int(name.split(".")[1]), name.split(".", 2)[2]
-    if index == num_layers + 2:
-        return rest == "norm.weight"
-    return rest.endswith(("input_layernorm.weight", "pre_mlp_layernorm.weight"))
+def _name_map(model: ModelConfig) -> dict[str, _TensorMap]:
+    """Our full tensor's name (``pieces.{i}.…``) -> its ``_TensorMap``: the one table that
+    ``from_hf`` and ``to_hf`` both read."""
+    llama = architecture(model) in _LLAMA_TYPES
+    top = "model." if llama else "transformer."
+    at = PieceIndex(model.num_layers)
+    embedding = "embed_tokens.weight" if llama else "wte.weight"
+    maps = {piece_key(at.embedding, "word_embeddings.weight"): _TensorMap((embedding,), top)}
+    if not llama:
+        positions = piece_key(at.embedding_output, "position_embeddings.weight")
+        maps[positions] = _TensorMap(("wpe.weight",), top)
+    layer_map = _layer_map(model)
+    for i in range(model.num_layers):
+        layer = f"layers.{i}." if llama else f"h.{i}."
+        for ours, m in layer_map.items():
+            hf = tuple(layer + name for name in m.hf)
+            maps[piece_key(at.layer(i), f"layer.{ours}")] = replace(m, hf=hf, prefix=top)
+    final_norm = "norm." if llama else "ln_f."
+    for p in ("weight",) if llama else ("weight", "bias"):
+        maps[piece_key(at.final_norm, f"norm.{p}")] = _TensorMap(
+            (final_norm + p,), top, norm=p == "weight"
+        )
+    if model.untie_embeddings_and_output_weights:
+        maps[piece_key(at.output, "output_layer.weight")] = _TensorMap(("lm_head.weight",))
+    return maps
 
 
-def _transposed(hf_name: str) -> bool:
-    """GPT-2's Conv1D weights (``[in, out]``)."""
-    return hf_name.endswith("weight") and any(p in hf_name for p in ("c_attn", "c_proj", "c_fc"))
+def _shift(tensor: torch.Tensor, by: float) -> torch.Tensor:
+    """``tensor + by`` in float32 (``--apply-layernorm-1p``'s norm weights)."""
+    return (tensor.float() + by).to(tensor.dtype)
 
 
 def from_hf(model: ModelConfig, hf: HFWeights) -> Callable[[str], torch.Tensor]:
     """``full(name)``: our full tensor ``name``, read from ``hf`` when asked."""
-    llama = architecture(model) in _LLAMA_TYPES
-    L, heads = model.num_layers, model.num_attention_heads
-    groups = model.num_query_groups or heads
-    top = "model." if llama else "transformer."
-    layer_map = _layer_map(model)
-
-    def get(name: str) -> torch.Tensor:
-        tensor = hf.get(top + name, name)  # old GPT-2 files lack the "transformer." prefix
-        return tensor.t() if _transposed(name) else tensor
+    maps = _name_map(model)
 
     def full(name: str) -> torch.Tensor:
-        tensor = _read(name)
-        if model.apply_layernorm_1p and _is_norm_weight(name, L):
-            return (tensor.float() - 1).to(tensor.dtype)  # our zero-centred weight
+        if name not in maps:
+            raise CheckpointError(f"no Hugging Face tensor maps to {name!r}")
+        tensor = maps[name].read(hf)
+        if model.apply_layernorm_1p and maps[name].norm:
+            return _shift(tensor, -1)  # our zero-centred weight
         return tensor
-
-    def _read(name: str) -> torch.Tensor:
-        index, rest = int(name.split(".")[1]), name.split(".", 2)[2]
-        if index == 0:
-            return get("embed_tokens.weight" if llama else "wte.weight")
-        if index == 1:
-            return get("wpe.weight")
-        if index == L + 2:
-            return get(("norm." if llama else "ln_f.") + rest.split(".", 1)[1])
-        if index == L + 3:
-            return hf.get("lm_head.weight")
-        layer = f"layers.{index - 2}." if llama else f"h.{index - 2}."
-        rest = rest.removeprefix("layer.")
-        if rest in layer_map:
-            return get(layer + layer_map[rest])
-        if rest.startswith("self_attention.linear_qkv."):
-            kind = rest.rsplit(".", 1)[1]
-            if llama:
-                q, k, v = (get(f"{layer}self_attn.{p}_proj.{kind}") for p in "qkv")
-            else:
-                q, k, v = get(f"{layer}attn.c_attn.{kind}").chunk(3, dim=0)
-            return _group_qkv(q, k, v, groups)
-        if rest.startswith("mlp.linear_fc1.") and llama:
-            kind = rest.rsplit(".", 1)[1]
-            gate, up = get(f"{layer}mlp.gate_proj.{kind}"), get(f"{layer}mlp.up_proj.{kind}")
-            return torch.cat([gate, up])
-        raise CheckpointError(f"no Hugging Face tensor maps to {name!r}")
 
     return full
 
@@ -465,45 +507,13 @@ def from_hf(model: ModelConfig, hf: HFWeights) -> Callable[[str], torch.Tensor]:
 def to_hf(
     model: ModelConfig, full: Callable[[str], torch.Tensor], names: list[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` for every tensor of the HF model, from our full tensors."""
-    llama = architecture(model) in _LLAMA_TYPES
-    L, heads = model.num_layers, model.num_attention_heads
-    groups = model.num_query_groups or heads
-    top = "model." if llama else "transformer."
-    layer_map = _layer_map(model)
-
-    def out(hf_name: str, tensor: torch.Tensor):
-        return top + hf_name, (tensor.t() if _transposed(hf_name) else tensor).contiguous()
-
+    """``(hf_name, tensor)`` for every tensor of the HF model, from our full tensors (each read
+    once, in ``names``' order)."""
+    maps = _name_map(model)
     for name in names:
-        index, rest = int(name.split(".")[1]), name.split(".", 2)[2]
         tensor = full(name)
-        if model.apply_layernorm_1p and _is_norm_weight(name, L):
-            tensor = (tensor.float() + 1).to(tensor.dtype)  # what the norm multiplies by
-        if index == 0:
-            yield out("embed_tokens.weight" if llama else "wte.weight", tensor)
-        elif index == 1:
-            yield out("wpe.weight", tensor)
-        elif index == L + 2:
-            yield out(("norm." if llama else "ln_f.") + rest.split(".", 1)[1], tensor)
-        elif index == L + 3:
-            yield "lm_head.weight", tensor.contiguous()
-        else:
-            layer = f"layers.{index - 2}." if llama else f"h.{index - 2}."
-            rest = rest.removeprefix("layer.")
-            kind = rest.rsplit(".", 1)[1]
-            if rest in layer_map:
-                yield out(layer + layer_map[rest], tensor)
-            elif rest.startswith("self_attention.linear_qkv."):
-                q, k, v = _ungroup_qkv(tensor, heads, groups)
-                if llama:
-                    for p, t in zip("qkv", (q, k, v)):
-                        yield out(f"{layer}self_attn.{p}_proj.{kind}", t)
-                else:
-                    yield out(f"{layer}attn.c_attn.{kind}", torch.cat([q, k, v]))
-            elif rest.startswith("mlp.linear_fc1.") and llama:
-                gate, up = tensor.chunk(2, dim=0)
-                yield out(f"{layer}mlp.gate_proj.{kind}", gate)
-                yield out(f"{layer}mlp.up_proj.{kind}", up)
-            else:
-                raise CheckpointError(f"no Hugging Face tensor for {name!r}")
+        if name not in maps:
+            raise CheckpointError(f"no Hugging Face tensor for {name!r}")
+        if model.apply_layernorm_1p and maps[name].norm:
+            tensor = _shift(tensor, 1)  # what the norm multiplies by
+        yield from maps[name].write(tensor)

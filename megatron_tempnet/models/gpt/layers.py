@@ -23,14 +23,18 @@ TP group in the backward pass (``distributed.sequence_parallel``).
 ``gpt_layer_specs`` gives the list as DeepSpeed ``LayerSpec``s: ``GPTStack`` builds and runs them
 in one process, and a DeepSpeed ``PipelineModule`` cuts the same list into stages. Every piece is
 built right after ``seed_rngs(base_seed + its index)``, so a pipeline stage builds exactly the
-weights the one-process model has at the same index, whatever the layout.
+weights the one-process model has at the same index, whatever the layout. ``PieceIndex`` says
+which index each piece has; ``piece_key`` names a parameter of a piece as ``GPTStack``'s
+state dict does (``pieces.{index}.…``, the same in every layout).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
 
 import torch
+from megatron.core import parallel_state
 from torch import nn
 
 from megatron_tempnet.distributed.sequence_parallel import sum_sequence_parallel_grads
@@ -44,6 +48,47 @@ from megatron_tempnet.models.transformer import (
     transformer_config,
     vocab_parallel_embedding,
 )
+
+
+@dataclass(frozen=True)
+class PieceIndex:
+    """The index of each piece in ``gpt_layer_specs``' list, for a model of ``num_layers``
+    layers: its ``i`` in ``GPTStack``'s state-dict keys (``pieces.{i}.…``) and its seed
+    (``base_seed + i``)::
+
+        0            WordEmbedding (tied: also the output layer)
+        1            EmbeddingOutput (GPT-2's learned positions)
+        2 .. L+1     TransformerPiece, layer 0 .. L-1
+        L+2          FinalNorm
+        L+3          the output layer (OutputLayer; tied: WordEmbedding again)
+        L+4          TempNet, when the run trains one (a pipeline's last piece)
+    """
+
+    num_layers: int
+    embedding: ClassVar[int] = 0
+    embedding_output: ClassVar[int] = 1
+
+    def layer(self, i: int) -> int:
+        """Transformer layer ``i`` (0-based)."""
+        return 2 + i
+
+    @property
+    def final_norm(self) -> int:
+        return self.num_layers + 2
+
+    @property
+    def output(self) -> int:
+        return self.num_layers + 3
+
+    @property
+    def tempnet(self) -> int:
+        return self.num_layers + 4
+
+
+def piece_key(index: int, name: str) -> str:
+    """``GPTStack``'s state-dict key of ``name`` in the piece at ``index``
+    (``piece_key(PieceIndex.embedding, "word_embeddings.weight")``)."""
+    return f"pieces.{index}.{name}"
 
 
 class FinalHidden(NamedTuple):
@@ -229,7 +274,7 @@ def gpt_layer_specs(
         for i in range(model.num_layers)
     ]
     learned = model.position_embedding_type == "learned_absolute"
-    return [
+    return [  # in PieceIndex's order
         embedding,
         LayerSpec(EmbeddingOutput, config, model.max_position_embeddings, learned),
         *layers,
@@ -304,7 +349,7 @@ class GPTStack(nn.Module):
 
     @property
     def embedding(self) -> WordEmbedding:
-        return self.pieces[0]
+        return self.pieces[PieceIndex.embedding]
 
     def sum_sequence_parallel_grads(self, tp_group) -> None:
         """Sum the gradients of the parameters applied to sequence shards over ``tp_group``
@@ -356,7 +401,5 @@ def build_gpt_model(
     )
     stack = GPTStack(specs, seed, recompute)
     if stack.sequence_parallel:
-        from megatron.core import parallel_state
-
         stack.sum_sequence_parallel_grads(parallel_state.get_tensor_model_parallel_group())
     return stack
