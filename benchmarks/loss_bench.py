@@ -46,7 +46,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    vocab_parallel_cross_entropy,
+)
 from torch import nn
+
+from megatron_tempnet.compat import apply_cpu_support
+from megatron_tempnet.losses import dro_loss, vocab_parallel_dro_loss
+from megatron_tempnet.tempnet import TempNetLM
 
 CASES = ["a", "b", "c", "d"]
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
@@ -80,16 +90,6 @@ class DenseTempNet(nn.Module):
 
 
 def _setup(device, tokens, hidden, vocab, tp, rank):
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import (
-        copy_to_tensor_model_parallel_region,
-        gather_from_tensor_model_parallel_region,
-        vocab_parallel_cross_entropy,
-    )
-
-    from megatron_tempnet.losses import dro_loss, vocab_parallel_dro_loss
-    from megatron_tempnet.tempnet import TempNetLM
-
     gen = torch.Generator().manual_seed(0)
     shard = vocab // tp
     h = torch.randn(tokens, hidden, generator=gen).to(device).requires_grad_()
@@ -184,10 +184,6 @@ def _rank_main(rank, tp, port, args, mode, out_queue):
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=tp)
-    from megatron.core import parallel_state
-
-    from megatron_tempnet.compat import apply_cpu_support
-
     apply_cpu_support()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")

@@ -3,9 +3,9 @@
 Cases (final hidden states ``[T, h]`` and this rank's output weight ``[V/tp, h]`` in, gradients
 of both and of TempNet out):
 
-  u    today's stage: output GEMM, then ``token_losses`` on the logits (TempNet, DRO, the
+  u    today's stage: output GEMM, then ``token_losses_from_logits`` (TempNet, DRO, the
        reported cross-entropy), the path of ``--no-fused-output-stage``
-  f    the fused output stage: ``token_losses`` on ``FinalHidden`` (the default)
+  f    the fused output stage: ``token_losses_fused`` on ``FinalHidden`` (the default)
   f-r  the fused stage with its gradients recomputed in the backward pass
        (``eager_gradients=False``)
   a    megatron-core's output layer GEMM + ``vocab_parallel_cross_entropy``
@@ -17,6 +17,20 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import (
+    copy_to_tensor_model_parallel_region,
+    vocab_parallel_cross_entropy,
+)
+
+from megatron_tempnet.losses import fused_output_stage
+from megatron_tempnet.models.gpt.layers import FinalHidden
+from megatron_tempnet.models.gpt.objective import (
+    LossConfig,
+    token_losses_from_logits,
+    token_losses_fused,
+)
+from megatron_tempnet.tempnet import TempNetLM
 
 STAGE_CASES = ["u", "f", "f-r", "a", "u-ce", "f-ce"]
 STAGE_NAMES = {
@@ -33,17 +47,6 @@ STAGE_SHAPES = ["768:50304:1", "768:50304:2", "4096:32000:1"]
 
 def setup_stage(device, tokens: int, hidden: int, vocab: int, tp: int, rank: int):
     """``make_step(case)`` -> (reset, inputs, step) for ``loss_bench._measure_cases``."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import (
-        copy_to_tensor_model_parallel_region,
-        vocab_parallel_cross_entropy,
-    )
-
-    from megatron_tempnet.losses import fused_output_stage
-    from megatron_tempnet.models.gpt.layers import FinalHidden
-    from megatron_tempnet.models.gpt.objective import LossConfig, token_losses
-    from megatron_tempnet.tempnet import TempNetLM
-
     gen = torch.Generator().manual_seed(0)
     shard = vocab // tp
     h = torch.randn(tokens, 1, hidden, generator=gen).to(device).requires_grad_()  # [s, b, h]
@@ -67,13 +70,13 @@ def setup_stage(device, tokens: int, hidden: int, vocab: int, tp: int, rank: int
         if case == "a":
             return vocab_parallel_cross_entropy(logits().contiguous(), labels).mean()
         if case.startswith("u"):
-            return token_losses(logits(), labels, config, **common).loss.mean()
-        if case == "f-r":  # what token_losses does, without the eager gradients
+            return token_losses_from_logits(logits(), labels, config, **common).loss.mean()
+        if case == "f-r":  # what token_losses_fused does, without the eager gradients
             out = fused_output_stage(
                 h, w, labels.t(), loss="dro", rho=config.rho, eager_gradients=False, **common
             )
             return out.loss.mean()
-        return token_losses(FinalHidden(h, w), labels, config, **common).loss.mean()
+        return token_losses_fused(FinalHidden(h, w), labels, config, **common).loss.mean()
 
     def make_step(case):
         def reset():  # last step's gradients are not part of this step's memory

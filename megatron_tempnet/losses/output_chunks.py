@@ -1,8 +1,9 @@
 """One chunk of the fused output stage (``output_stage.py``): its forward values and gradients.
 
-A chunk is ``c`` tokens' logits ``[c, V_pad/tp]`` on this rank's vocabulary shard. The forward
-pass reduces them to per-token values (``State``); ``chunk_gradients`` turns them in place into
-the gradient of ``sum_t g_t loss_t`` and adds what follows from it to ``Gradients``. Rows are
+A chunk (``Chunk``) is ``c`` tokens: their hidden states, their logits ``[c, V_pad/tp]`` on this
+rank's vocabulary shard and their targets. The forward pass reduces the logits to per-token values
+(``State``); ``chunk_gradients`` turns them in place into the gradient of ``sum_t g_t loss_t``
+(``g``: the loss's upstream gradient) and adds what follows from it to ``Gradients``. Rows are
 given as a slice (consecutive tokens) or as an index tensor (scattered tokens), in the stage's
 order of the tokens (``output_rows``: the tokens' own order unless sequence parallel).
 """
@@ -15,10 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_tempnet.distributed.groups import TPGroup, parallel_argmax
+from megatron_tempnet.distributed.groups import TPGroup, VocabPartition, parallel_argmax
 from megatron_tempnet.losses import dro_math
 from megatron_tempnet.losses.newton import optimal_tau
-from megatron_tempnet.losses.output_rows import WholeRows
+from megatron_tempnet.losses.output_rows import Rows, WholeRows
 
 _NORM_EPS = 1e-12  # TempNet's input norm floor, as in tempnet.parallel_input
 
@@ -77,20 +78,55 @@ class State:
         out = (self.loss, self.ce, self.tau)
         return out + ((self.ts_ce, self.argmax) if self.ts_ce is not None else ())
 
+    def forward_values(self, rows: Rows) -> ForwardValues:
+        """What the gradients of ``rows`` need of this state."""
+        return ForwardValues(self.tau, self.row_max, self.sum_exp, self.norm).select(rows)
+
 
 @dataclass
-class Rows:
-    """What a chunk's gradient needs of the forward pass, for its rows."""
+class ForwardValues:
+    """What a chunk's gradients need of the forward pass, per token of its rows."""
 
     tau: torch.Tensor
     row_max: torch.Tensor
     sum_exp: torch.Tensor
     norm: torch.Tensor
-    target: torch.Tensor
     y: torch.Tensor | None = None
     """TempNet's ``W1 Lbar`` (without stop-gradient)."""
     grad_y: torch.Tensor | None = None
     """d/dy of ``sum_t g_t loss_t`` through tau (TempNet learning)."""
+    dtau: torch.Tensor | None = None
+    """d loss / d tau, every token's (the backward pass's TempNet gradient)."""
+
+    def select(self, rows: Rows) -> ForwardValues:
+        """The values of ``rows`` (without ``y``, ``grad_y`` and ``dtau``)."""
+        return ForwardValues(
+            self.tau[rows], self.row_max[rows], self.sum_exp[rows], self.norm[rows]
+        )
+
+
+@dataclass
+class Chunk:
+    """One chunk of tokens and every tensor its values and gradients are computed from."""
+
+    rows: Rows
+    """The chunk's tokens: a slice of the stage order, or an index tensor into it."""
+    hidden: torch.Tensor
+    """``[c, h]`` their final hidden states, in the LM's dtype."""
+    logits: torch.Tensor
+    """``[c, V_pad/tp]`` in the compute dtype (``chunk_logits``); ``chunk_gradients`` overwrites
+    them with the loss's gradient."""
+    targets: torch.Tensor
+    """``[c]`` their target token ids."""
+    output_weight: torch.Tensor
+    """``[V_pad/tp, h]`` this rank's slice of the output layer."""
+    vocab: VocabPartition
+    """This rank's vocabulary shard: its first token id and its true (unpadded) columns."""
+    tempnet_w1: torch.Tensor | None = None
+    """``[d1, n_true]`` TempNet's first weight in the compute dtype (None without TempNet)."""
+    tempnet_w1_logits: torch.Tensor | None = None
+    """``[c, d1]`` TempNet's ``W1 L`` on this rank's vocabulary when the caller formed it
+    through the output weight (``w1_through_weight``); None: formed from the logits."""
 
 
 @dataclass
@@ -105,7 +141,7 @@ class Gradients:
     w1: torch.Tensor | None
     projection: list
     """TempNet's parameters after ``W1`` (None where not wanted)."""
-    rows: WholeRows
+    layout: WholeRows
     """Where the hidden states' rows are (``output_rows``)."""
     w1_h: torch.Tensor | None = None
     """``[d1, h]``: W1's gradient before the output weight, ``sum_t (g_y / ||L||)_t h_t^T``,
@@ -114,24 +150,35 @@ class Gradients:
 
     @classmethod
     def zeros(
-        cls, needs, hidden, weight, w1, cdtype, eager: bool, rows: WholeRows, factored=False
+        cls,
+        needs_grad,
+        hidden,
+        weight,
+        w1,
+        dtype,
+        *,
+        eager: bool,
+        layout: WholeRows,
+        factored: bool = False,
     ) -> Gradients:
-        """Zero gradients for the inputs that need one (``needs``: the autograd function's
-        ``needs_input_grad``). 16-bit hidden gradients computed eagerly stay float32 until the
-        backward pass has scaled them. ``factored``: W1's gradient goes through ``w1_h``."""
+        """Zero gradients for the inputs that need one (``needs_grad``: the autograd function's
+        ``needs_input_grad``), TempNet's in the compute ``dtype``. 16-bit hidden gradients
+        computed eagerly stay float32 until the backward pass has scaled them. ``factored``:
+        W1's gradient goes through ``w1_h``."""
         grad_hidden = grad_weight = grad_w1 = w1_h = None
-        if needs[2]:
+        if needs_grad[2]:
             wide = hidden.dtype in (torch.float32, torch.float64) or not eager
-            dtype = hidden.dtype if wide else torch.float32
-            grad_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
-        if needs[3]:  # float32 accumulation over the chunks, also for 16-bit weights
+            hidden_dtype = hidden.dtype if wide else torch.float32
+            grad_hidden = torch.zeros(hidden.shape, dtype=hidden_dtype, device=hidden.device)
+        if needs_grad[3]:  # float32 accumulation over the chunks, also for 16-bit weights
             acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
             grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        if needs[4] and factored:
-            w1_h = torch.zeros(w1.shape[0], hidden.shape[-1], dtype=cdtype, device=w1.device)
-        elif needs[4]:
-            grad_w1 = torch.zeros(w1.shape, dtype=cdtype, device=w1.device)
-        return cls(grad_hidden, grad_weight, grad_w1, [None] * len(needs[5:]), rows, w1_h)
+        if needs_grad[4] and factored:
+            w1_h = torch.zeros(w1.shape[0], hidden.shape[-1], dtype=dtype, device=w1.device)
+        elif needs_grad[4]:
+            grad_w1 = torch.zeros(w1.shape, dtype=dtype, device=w1.device)
+        projection = [None] * len(needs_grad[5:])
+        return cls(grad_hidden, grad_weight, grad_w1, projection, layout, w1_h)
 
     def add_projection(self, grads) -> None:
         for i, grad in enumerate(grads):
@@ -150,7 +197,7 @@ class Gradients:
         if self.w1_h is not None:  # [d1, h] x [h, n_true]: the true rows are the local first
             grad_w1 = self.w1_h @ weight[: w1.shape[1]].to(self.w1_h.dtype).t()
         if grad_hidden is not None:
-            self.rows.finish(grad_hidden)  # each vocabulary shard's part of dL/dh
+            self.layout.finish(grad_hidden)  # each vocabulary shard's part of dL/dh
             grad_hidden = grad_hidden.to(hidden.dtype)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
@@ -159,7 +206,9 @@ class Gradients:
         return (grad_hidden, grad_weight, grad_w1, *self.projection)
 
 
-def w1_through_weight(plan: Plan, w1c, weight, n_true: int, tokens: int) -> torch.Tensor | None:
+def w1_through_weight(
+    plan: Plan, tempnet_w1, weight, n_true: int, tokens: int
+) -> torch.Tensor | None:
     """``W1 W_true`` ``[d1, h]`` (this rank's vocabulary), when forming TempNet's product as
     ``h (W1 W_true)^T`` costs less than ``L W1^T``; None otherwise.
 
@@ -174,49 +223,58 @@ def w1_through_weight(plan: Plan, w1c, weight, n_true: int, tokens: int) -> torc
         return None
     if tokens * (n_true - weight.shape[1]) <= n_true * weight.shape[1]:
         return None
-    return w1c @ weight[:n_true].to(w1c.dtype)
+    return tempnet_w1 @ weight[:n_true].to(tempnet_w1.dtype)
 
 
-def chunk_logits(h_c: torch.Tensor, weight: torch.Tensor, dtype) -> torch.Tensor:
+def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype) -> torch.Tensor:
     """``[c, h] x [V_pad/tp, h]^T`` in the LM's dtype (as its output layer), then ``dtype``."""
-    return torch.matmul(h_c, weight.t()).to(dtype)
+    return torch.matmul(hidden, weight.t()).to(dtype)
 
 
-def forward_chunk(plan: Plan, part, logits, target, w1c, state: State, rows, graph, y_local=None):
-    """The chunk's per-token values into ``state`` (``logits [c, V_pad/tp]`` is not changed).
-    ``y_local``: TempNet's ``W1 L`` on this rank's vocabulary ``[c, d1]`` when the caller
-    formed it (``w1_through_weight``)."""
-    tp, x = plan.tp, logits[:, : part.n_true]
-    row_max = torch.amax(x, dim=1) if part.n_true else x.new_full((x.shape[0],), -math.inf)
+def forward_chunk(plan: Plan, chunk: Chunk, state: State, graph: list) -> None:
+    """The chunk's per-token values into ``state`` (``chunk.logits`` is not changed). With a
+    learning TempNet its layers after ``W1`` are recorded in ``graph`` (``_tempnet_tau``)."""
+    tp, vocab = plan.tp, chunk.vocab
+    true_logits = chunk.logits[:, : vocab.n_true]  # [c, n_true]
+    tokens = true_logits.shape[0]
+    if vocab.n_true:
+        row_max = torch.amax(true_logits, dim=1)
+    else:
+        row_max = true_logits.new_full((tokens,), -math.inf)
     tp.all_reduce(row_max, op=dist.ReduceOp.MAX)
-    target_logit, _, _ = dro_math.gather_target_logits(x, target, part.start, part.n_true)
+    target_logit, _, _ = dro_math.gather_target_logits(
+        true_logits, chunk.targets, vocab.start, vocab.n_true
+    )
     if plan.tempnet is not None:
-        bundle = torch.empty(x.shape[0], w1c.shape[0] + 2, dtype=x.dtype, device=x.device)
-        if y_local is None:
-            torch.matmul(x, w1c.t(), out=bundle[:, :-2])
+        w1 = chunk.tempnet_w1
+        bundle = torch.empty(
+            tokens, w1.shape[0] + 2, dtype=true_logits.dtype, device=true_logits.device
+        )
+        if chunk.tempnet_w1_logits is None:
+            torch.matmul(true_logits, w1.t(), out=bundle[:, :-2])
         else:
-            bundle[:, :-2] = y_local
-        bundle[:, -2] = torch.linalg.vector_norm(x, dim=1).square()
+            bundle[:, :-2] = chunk.tempnet_w1_logits
+        bundle[:, -2] = torch.linalg.vector_norm(true_logits, dim=1).square()
         bundle[:, -1] = target_logit
         tp.all_reduce(bundle)  # TempNet's input and the target logit, one all-reduce
         norm = bundle[:, -2].sqrt().clamp_min(_NORM_EPS)
         tau = _tempnet_tau(plan, bundle[:, :-2] / norm[:, None], graph)
         target_logit = bundle[:, -1]
-        state.norm[rows] = norm
+        state.norm[chunk.rows] = norm
     elif plan.newton_tau_min is not None:
         tau = optimal_tau(
-            logits,
+            chunk.logits,
             rho=plan.rho,
             tau_min=plan.newton_tau_min,
             tau_max=plan.newton_tau_max,
             vocab_size=plan.vocab_size,
             tp_group=tp.group,
-        ).to(x.dtype)
+        ).to(true_logits.dtype)
     else:
         tau = torch.full_like(row_max, plan.fixed_tau)
-    _reduce_sums(plan, x, row_max, tau, target_logit, state, rows)
+    _reduce_sums(plan, true_logits, row_max, tau, target_logit, state, chunk.rows)
     if state.argmax is not None:
-        state.argmax[rows] = parallel_argmax(x, part.start, tp)
+        state.argmax[chunk.rows] = parallel_argmax(true_logits, vocab.start, tp)
 
 
 def _tempnet_tau(plan: Plan, y: torch.Tensor, graph: list) -> torch.Tensor:
@@ -230,13 +288,16 @@ def _tempnet_tau(plan: Plan, y: torch.Tensor, graph: list) -> torch.Tensor:
     return tau.detach().to(y.dtype)
 
 
-def _reduce_sums(plan: Plan, x, row_max, tau, target_logit, state: State, rows) -> None:
+def _reduce_sums(
+    plan: Plan, true_logits, row_max, tau, target_logit, state: State, rows: Rows
+) -> None:
     """S (and Q) at tau and S at tau = 1 in one all-reduce; the chunk's values from them."""
     need_q = plan.tau_grad
-    s_one, _ = dro_math.tempered_sums(x, row_max, torch.ones_like(tau), need_q=False)
+    ones = torch.ones_like(tau)
+    s_one, _ = dro_math.tempered_sums(true_logits, row_max, ones, need_q=False)
     columns = [s_one]
     if plan.tau_in_loss or state.ts_ce is not None:
-        s_tau, q_tau = dro_math.tempered_sums(x, row_max, tau, need_q=need_q)
+        s_tau, q_tau = dro_math.tempered_sums(true_logits, row_max, tau, need_q=need_q)
         columns += [s_tau] + ([q_tau] if need_q else [])
     if plan.tempnet is None:
         columns.append(target_logit)
@@ -286,44 +347,50 @@ def tempnet_backward(plan: Plan, graph: list, grad_tau: torch.Tensor, wanted, *,
     return grad_y, [next(by_param) if want else None for want in wanted]
 
 
-def chunk_gradients(plan: Plan, part, logits, g, values: Rows, h_c, weight, w1c, grads, rows):
-    """Turn the chunk's logits ``[c, V_pad/tp]`` (overwritten) into d(sum_t g_t loss_t)/dL and
-    add W1's, the hidden rows' and the weight's gradients that follow from it to ``grads``.
+def chunk_gradients(
+    plan: Plan, chunk: Chunk, grad_loss: torch.Tensor, values: ForwardValues, grads: Gradients
+) -> None:
+    """Turn the chunk's logits ``[c, V_pad/tp]`` (overwritten) into d(sum_t g_t loss_t)/dL, for
+    the loss's upstream gradient ``grad_loss`` (``g``, ``[c]``), and add W1's, the hidden rows'
+    and the output weight's gradients that follow from it to ``grads``.
 
     The loss's d/dL is ``g * (softmax(L / tau) - onehot)`` (ts-ce: ``g / tau``; ce: tau = 1);
     without stop-gradient, tau's path through TempNet's normalised input adds to it.
     """
-    x = logits[:, : part.n_true]
-    scaled = None
+    vocab, logits = chunk.vocab, chunk.logits
+    true_logits = logits[:, : vocab.n_true]  # [c, n_true], a view: becomes d/dL in place
+    scaled_grad_y = None
     if values.grad_y is not None:
-        scaled = values.grad_y / values.norm[:, None]  # [c, d1]: dTempNet/dy / ||L||
+        scaled_grad_y = values.grad_y / values.norm[:, None]  # [c, d1]: dTempNet/dy / ||L||
         if grads.w1 is not None:
-            grads.w1.addmm_(scaled.t(), x)
+            grads.w1.addmm_(scaled_grad_y.t(), true_logits)
         elif grads.w1_h is not None:
-            grads.w1_h.addmm_(scaled.t(), h_c.to(scaled.dtype))
+            grads.w1_h.addmm_(scaled_grad_y.t(), chunk.hidden.to(scaled_grad_y.dtype))
     if grads.hidden is None and grads.weight is None:
         return
     logit_coef = None
-    if scaled is not None and not plan.tempnet.stop_grad:
+    if scaled_grad_y is not None and not plan.tempnet.stop_grad:
         # d(W1 L / ||L||)/dL: (g_y W1 - <g_y, y> L / ||L||) / ||L||
-        logit_coef = -(scaled * values.y).sum(dim=1) / values.norm
-    row_scale = g / values.tau if plan.loss == "ts-ce" else g
+        logit_coef = -(scaled_grad_y * values.y).sum(dim=1) / values.norm
+    row_scale = grad_loss / values.tau if plan.loss == "ts-ce" else grad_loss
     loss_tau = values.tau if plan.tau_in_loss else torch.ones_like(values.tau)
     row_factor = row_scale / values.sum_exp
-    dro_math.tempered_softmax_(x, values.row_max, loss_tau, row_factor, logit_coef)
-    _, is_local, index = dro_math.gather_target_logits(x, values.target, part.start, part.n_true)
-    if part.n_true:
-        local_rows = torch.arange(x.shape[0], device=x.device)
-        x[local_rows, index] -= torch.where(is_local, row_scale, torch.zeros_like(row_scale))
+    dro_math.tempered_softmax_(true_logits, values.row_max, loss_tau, row_factor, logit_coef)
+    _, is_local, index = dro_math.gather_target_logits(
+        true_logits, chunk.targets, vocab.start, vocab.n_true
+    )
+    if vocab.n_true:
+        local_rows = torch.arange(true_logits.shape[0], device=true_logits.device)
+        target_scale = torch.where(is_local, row_scale, torch.zeros_like(row_scale))
+        true_logits[local_rows, index] -= target_scale
     if logit_coef is not None:
-        x.addmm_(scaled, w1c)
-    logits[:, part.n_true :] = 0.0  # padded vocabulary columns carry no gradient
-    grad_logits = logits.to(h_c.dtype)
-    del logits, x
+        true_logits.addmm_(scaled_grad_y, chunk.tempnet_w1)
+    logits[:, vocab.n_true :] = 0.0  # padded vocabulary columns carry no gradient
+    grad_logits = logits.to(chunk.hidden.dtype)  # [c, V_pad/tp]
     if grads.hidden is not None:
-        grads.rows.add_grad(grads.hidden, rows, grad_logits, weight)
+        grads.layout.add_grad(grads.hidden, chunk.rows, grad_logits, chunk.output_weight)
     if grads.weight is not None:
         if grad_logits.dtype == grads.weight.dtype:
-            grads.weight.addmm_(grad_logits.t(), h_c)
+            grads.weight.addmm_(grad_logits.t(), chunk.hidden)
         else:
-            grads.weight.add_(torch.matmul(grad_logits.t(), h_c))
+            grads.weight.add_(torch.matmul(grad_logits.t(), chunk.hidden))

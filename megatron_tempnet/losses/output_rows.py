@@ -31,6 +31,11 @@ Rows = slice | torch.Tensor
 """Consecutive tokens (a slice of the stage order) or scattered ones (an index tensor)."""
 
 
+def _blocks(count: int, size: int) -> list[slice]:
+    """``0`` to ``count - 1`` in consecutive slices of ``size`` (the last one may be shorter)."""
+    return [slice(first, min(first + size, count)) for first in range(0, count, size)]
+
+
 class WholeRows:
     """Every token's hidden state on every TP rank (the stage order is the tokens' order)."""
 
@@ -39,8 +44,7 @@ class WholeRows:
 
     def chunks(self) -> list[slice]:
         """The chunks of the stage order, ``chunk`` tokens each (the last one fewer)."""
-        n, c = self.tokens, self.chunk
-        return [slice(r0, min(r0 + c, n)) for r0 in range(0, n, c)]
+        return _blocks(self.tokens, self.chunk)
 
     def rows(self, hidden: torch.Tensor, rows: Rows) -> torch.Tensor:
         """The hidden states ``[n, h]`` of ``rows``, on every TP rank."""
@@ -78,9 +82,7 @@ class ShardedRows(WholeRows):
         super().__init__(local_tokens * tp.size, tp, chunk)
         self.local = local_tokens
         step = max(1, chunk // tp.size)  # local rows per chunk: gathered, at most ``chunk``
-        self.local_chunks = [
-            slice(r0, min(r0 + step, local_tokens)) for r0 in range(0, local_tokens, step)
-        ]
+        self.local_chunks = _blocks(local_tokens, step)
         tokens = torch.arange(self.tokens, device=device).view(tp.size, local_tokens)
         # [T]: the token at each position of the stage order (chunk by chunk, rank-major)
         self.order = torch.cat([tokens[:, part].reshape(-1) for part in self.local_chunks])

@@ -45,11 +45,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_tempnet.distributed.groups import TPGroup, resolve_tp_group, vocab_partition
+from megatron_tempnet.distributed.groups import (
+    TPGroup,
+    VocabPartition,
+    resolve_tp_group,
+    vocab_partition,
+)
 from megatron_tempnet.losses.output_chunks import (
+    Chunk,
+    ForwardValues,
     Gradients,
     Plan,
-    Rows,
     State,
     chunk_gradients,
     chunk_logits,
@@ -57,7 +63,7 @@ from megatron_tempnet.losses.output_chunks import (
     tempnet_backward,
     w1_through_weight,
 )
-from megatron_tempnet.losses.output_rows import token_rows
+from megatron_tempnet.losses.output_rows import Rows, WholeRows, token_rows
 
 LOSSES = ("ce", "dro", "ts-ce")
 CHUNK_ELEMENTS = 1 << 24
@@ -84,34 +90,72 @@ class StageOutputs:
     """The most likely token id (ties: the lowest id), with ``eval_terms``."""
 
 
+@dataclass
+class _StageInputs:
+    """The call's tensors, from which each chunk's are taken (``chunk``)."""
+
+    layout: WholeRows
+    hidden: torch.Tensor
+    """``[T, h]`` the final hidden states (sequence parallel: ``[T/tp, h]``, this rank's)."""
+    output_weight: torch.Tensor
+    targets: torch.Tensor
+    """``[T]`` in the stage order."""
+    vocab: VocabPartition
+    tempnet_w1: torch.Tensor | None
+    """TempNet's first weight in the compute dtype."""
+    dtype: torch.dtype
+    """The compute dtype: float32, or float64 for float64 hidden states."""
+    w1_weight: torch.Tensor | None = None
+    """``W1 W_true`` when TempNet's product is formed through the output weight."""
+
+    def chunk(self, rows: Rows) -> Chunk:
+        """The chunk of ``rows``: its hidden rows (gathered when sequence parallel), logits
+        ``[c, V_pad/tp]`` and, with ``w1_weight``, TempNet's ``W1 L`` ``[c, d1]``."""
+        hidden = self.layout.rows(self.hidden, rows)  # [c, h]
+        logits = chunk_logits(hidden, self.output_weight, self.dtype)  # [c, V_pad/tp]
+        w1_logits = None
+        if self.w1_weight is not None:
+            w1_logits = hidden.to(self.dtype) @ self.w1_weight.t()  # [c, d1]
+        return Chunk(
+            rows=rows,
+            hidden=hidden,
+            logits=logits,
+            targets=self.targets[rows],
+            output_weight=self.output_weight,
+            vocab=self.vocab,
+            tempnet_w1=self.tempnet_w1,
+            tempnet_w1_logits=w1_logits,
+        )
+
+
 class _FusedOutputStage(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: Plan, target, hidden, weight, w1, *projection_params):
-        cdtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        part = vocab_partition(weight.shape[0], plan.tp.rank, plan.vocab_size)
-        needs = ctx.needs_input_grad
+        dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        vocab = vocab_partition(weight.shape[0], plan.tp.rank, plan.vocab_size)
+        needs_grad = ctx.needs_input_grad
         layout = token_rows(hidden, plan.tp, plan.chunk, plan.sequence_parallel)
         target = layout.to_stage(target)  # [T] in the order the chunks take the tokens
-        state = State.empty(layout.tokens, cdtype, hidden.device, plan.eval_terms)
-        w1c = None if w1 is None else w1.to(cdtype)
-        through = w1_through_weight(plan, w1c, weight, part.n_true, layout.tokens)
+        state = State.empty(layout.tokens, dtype, hidden.device, plan.eval_terms)
+        tempnet_w1 = None if w1 is None else w1.to(dtype)
+        w1_weight = w1_through_weight(plan, tempnet_w1, weight, vocab.n_true, layout.tokens)
+        inputs = _StageInputs(layout, hidden, weight, target, vocab, tempnet_w1, dtype, w1_weight)
+        factored = w1_weight is not None
         grads = None
-        if plan.eager and any(needs[2:]):
-            grads = Gradients.zeros(needs, hidden, weight, w1, cdtype, eager=True, rows=layout,
-                                    factored=through is not None)  # fmt: skip
+        if plan.eager and any(needs_grad[2:]):
+            grads = Gradients.zeros(
+                needs_grad, hidden, weight, w1, dtype, eager=True, layout=layout, factored=factored
+            )
         graph: list = []  # TempNet's layers after W1, per chunk: (y leaf, tau)
         for rows in layout.chunks():
-            h_c = layout.rows(hidden, rows)  # [c, h]
-            logits = chunk_logits(h_c, weight, cdtype)  # [c, V_pad/tp]
+            chunk = inputs.chunk(rows)
             recorded = len(graph)
-            y_local = None if through is None else h_c.to(cdtype) @ through.t()  # [c, d1]
-            forward_chunk(plan, part, logits, target[rows], w1c, state, rows, graph, y_local)
+            forward_chunk(plan, chunk, state, graph)
             if grads is not None:
-                eager = graph[recorded:], needs[5:], grads
-                _eager_chunk(plan, part, logits, state, target, rows, h_c, weight, w1c, eager)
-            del logits, h_c
-        ctx.plan, ctx.part, ctx.graph, ctx.grads, ctx.layout = plan, part, graph, grads, layout
-        ctx.factored = through is not None
+                _eager_chunk(plan, chunk, state, graph[recorded:], needs_grad[5:], grads)
+            del chunk  # this chunk's logits go before the next chunk's are made
+        ctx.plan, ctx.vocab, ctx.graph, ctx.grads, ctx.layout = plan, vocab, graph, grads, layout
+        ctx.factored = factored
         saved = [state.tau, state.row_max, state.sum_exp, state.norm, state.dtau]
         ctx.save_for_backward(hidden, weight, w1, target, *saved)
         outputs = tuple(layout.to_tokens(v) for v in state.outputs())
@@ -126,64 +170,66 @@ class _FusedOutputStage(torch.autograd.Function):
                 "retained graph): it frees its state after the first; run the forward pass "
                 "again, or use --no-fused-output-stage"
             )
-        hidden, weight, w1, target, *vectors = ctx.saved_tensors
-        needs, grads, layout = ctx.needs_input_grad, ctx.grads, ctx.layout
-        g = layout.to_stage(grad_loss.to(vectors[0].dtype))
+        hidden, weight, w1, target, tau, row_max, sum_exp, norm, dtau = ctx.saved_tensors
+        needs_grad, grads, layout = ctx.needs_input_grad, ctx.grads, ctx.layout
+        dtype, factored = tau.dtype, ctx.factored  # the compute dtype
+        grad_loss = layout.to_stage(grad_loss.to(dtype))  # g, [T] in the stage order
         left = None  # the tokens whose gradients are computed here (None: all)
         if grads is None:
-            grads = Gradients.zeros(needs, hidden, weight, w1, g.dtype, eager=False, rows=layout,
-                                    factored=ctx.factored)  # fmt: skip
+            grads = Gradients.zeros(
+                needs_grad, hidden, weight, w1, dtype, eager=False, layout=layout, factored=factored
+            )
         else:  # the forward pass's gradients are for g = 1: scale them by g's usual value
-            usual = _most_common(g)
+            usual = _most_common(grad_loss)
             grads.scale_(usual)
-            g = g - usual  # the masked tokens', or any other difference: recomputed
-            left = torch.nonzero(g).flatten()
+            grad_loss = grad_loss - usual  # the masked tokens', or any other difference
+            left = torch.nonzero(grad_loss).flatten()
         if left is None or left.numel():
-            _recompute(ctx, g, left, grads, hidden, weight, w1, target, vectors)
+            tempnet_w1 = None if w1 is None else w1.to(dtype)
+            inputs = _StageInputs(layout, hidden, weight, target, ctx.vocab, tempnet_w1, dtype)
+            saved = ForwardValues(tau, row_max, sum_exp, norm, dtau=dtau)
+            _recompute(ctx, inputs, saved, grad_loss, left, grads)
         ctx.graph, ctx.grads, ctx.plan, ctx.layout = [], None, None, None  # used once
         return (None, None, *grads.finish(hidden, weight, w1))
 
 
-def _eager_chunk(plan, part, logits, state, target, rows, h_c, weight, w1c, eager) -> None:
-    """The chunk's gradients of ``sum_t loss_t`` (g = 1: the backward pass scales them)."""
-    graph, wanted, grads = eager
-    values = _rows(state, target, rows)
+def _eager_chunk(
+    plan: Plan, chunk: Chunk, state: State, graph: list, wanted, grads: Gradients
+) -> None:
+    """The chunk's gradients of ``sum_t loss_t`` (g = 1: the backward pass scales them).
+    ``graph``: the chunk's TempNet layers (``forward_chunk``); ``wanted``: which of their
+    parameters need a gradient."""
+    values = state.forward_values(chunk.rows)
     if graph:
         values.y = graph[0][0].detach()
-        values.grad_y, by_param = tempnet_backward(plan, graph, state.dtau[rows], wanted, keep=True)
+        grad_tau = state.dtau[chunk.rows]
+        values.grad_y, by_param = tempnet_backward(plan, graph, grad_tau, wanted, keep=True)
         grads.add_projection(by_param)
     ones = torch.ones_like(values.tau)
-    chunk_gradients(plan, part, logits, ones, values, h_c, weight, w1c, grads, rows)
+    chunk_gradients(plan, chunk, ones, values, grads)
 
 
-def _recompute(ctx, g, left, grads: Gradients, hidden, weight, w1, target, vectors) -> None:
-    """Add the gradients of ``sum_t g_t loss_t`` over the tokens ``left`` (None: all), each
-    chunk's logits computed again."""
-    plan, needs = ctx.plan, ctx.needs_input_grad
+def _recompute(
+    ctx, inputs: _StageInputs, saved: ForwardValues, grad_loss, left, grads: Gradients
+) -> None:
+    """Add the gradients of ``sum_t g_t loss_t`` (``grad_loss``: g, every token's) over the
+    tokens ``left`` (None: all), each chunk's logits computed again."""
+    plan = ctx.plan
     grad_y = y = None
     if ctx.graph:
-        dtau = vectors[4]
-        grad_y, by_param = tempnet_backward(plan, ctx.graph, g * dtau, needs[5:], keep=False)
+        wanted = ctx.needs_input_grad[5:]
+        grad_tau = grad_loss * saved.dtau
+        grad_y, by_param = tempnet_backward(plan, ctx.graph, grad_tau, wanted, keep=False)
         grads.add_projection(by_param)
         y = torch.cat([leaf.detach() for leaf, _ in ctx.graph])
     if grads.hidden is None and grads.weight is None and grads.w1 is None and grads.w1_h is None:
         return
-    w1c = None if w1 is None else w1.to(g.dtype)
-    layout = ctx.layout
-    chunks = layout.chunks() if left is None else left.split(plan.chunk)
+    chunks = inputs.layout.chunks() if left is None else left.split(plan.chunk)
     for rows in chunks:
-        values = Rows(*(v[rows] for v in vectors[:4]), target=target[rows])
+        values = saved.select(rows)
         if grad_y is not None:
             values.y, values.grad_y = y[rows], grad_y[rows]
-        h_c = layout.rows(hidden, rows)
-        logits = chunk_logits(h_c, weight, g.dtype)
-        chunk_gradients(plan, ctx.part, logits, g[rows], values, h_c, weight, w1c, grads, rows)
-
-
-def _rows(state: State, target, rows) -> Rows:
-    return Rows(
-        state.tau[rows], state.row_max[rows], state.sum_exp[rows], state.norm[rows], target[rows]
-    )
+        chunk_gradients(plan, inputs.chunk(rows), grad_loss[rows], values, grads)
 
 
 def _most_common(g: torch.Tensor) -> torch.Tensor:
@@ -262,19 +308,19 @@ def fused_output_stage(
         and any(p.requires_grad for p in tempnet.parameters())
     )
     plan = Plan(
-        loss,
-        float(rho),
-        vocab_size,
-        tp,
-        chunk,
-        tau,
-        newton_tau_min,
-        tempnet,
-        tau_grad,
-        eval_terms,
-        eager_gradients,
-        sequence_parallel and tp.size > 1,
-        newton_tau_max,
+        loss=loss,
+        rho=float(rho),
+        vocab_size=vocab_size,
+        tp=tp,
+        chunk=chunk,
+        fixed_tau=tau,
+        newton_tau_min=newton_tau_min,
+        tempnet=tempnet,
+        tau_grad=tau_grad,
+        eval_terms=eval_terms,
+        eager=eager_gradients,
+        sequence_parallel=sequence_parallel and tp.size > 1,
+        newton_tau_max=newton_tau_max,
     )
     lead = target.shape
     w1, params = None, []

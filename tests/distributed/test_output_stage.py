@@ -7,9 +7,10 @@ The loss's upstream gradient is the loss mask (the training step's), one value f
 or a different value per token; and the same with the gradients recomputed in the backward pass
 only (``eager_gradients=False``).
 
-Both paths go through ``token_losses`` (the GPT objective): the unfused one with the logits, the
-fused one with ``FinalHidden``. Tied and untied output weights are the training runs' business
-(tests/e2e/test_pretrain.py: GPT-2 ties them, the LLaMA pipeline does not).
+Both paths go through the GPT objective: the unfused one with the logits
+(``token_losses_from_logits``), the fused one with ``FinalHidden`` (``token_losses_fused``).
+Tied and untied output weights are the training runs' business (tests/e2e/test_pretrain.py:
+GPT-2 ties them, the LLaMA pipeline does not).
 """
 
 import contextlib
@@ -25,7 +26,11 @@ from megatron_tempnet.distributed.groups import parallel_argmax
 from megatron_tempnet.losses import fused_output_stage
 from megatron_tempnet.models.gpt import objective as gpt_objective
 from megatron_tempnet.models.gpt.layers import FinalHidden
-from megatron_tempnet.models.gpt.objective import LossConfig, token_losses
+from megatron_tempnet.models.gpt.objective import (
+    LossConfig,
+    token_losses_from_logits,
+    token_losses_fused,
+)
 from megatron_tempnet.tempnet import TempNetLM
 from tests.helpers.distributed import run_distributed
 
@@ -138,10 +143,10 @@ def _one_path(fused: bool, scale: str, objective: tuple, *, train=True, upstream
     patch = mock.patch.object(gpt_objective, "fused_output_stage", stage)
     with tracker if fused else contextlib.nullcontext(), patch:
         if fused:
-            out = token_losses(FinalHidden(hidden, weight), labels, config, **common)
+            out = token_losses_fused(FinalHidden(hidden, weight), labels, config, **common)
         else:
             logits = (hidden @ weight.t()).transpose(0, 1)  # [b, s, V_pad/tp]
-            out = token_losses(logits, labels, config, **common)
+            out = token_losses_from_logits(logits, labels, config, **common)
         if train:
             (out.loss * mask).sum().backward()
     grads = {}
@@ -181,9 +186,16 @@ def _all_cases():
             _one_path(False, "float32", OBJECTIVES[0], train=False)[0],
         )
         greedy = fused_output_stage(
-            hidden, local, labels.t(), loss="ce", vocab_size=203, tau=1.0,
-            tp_group=dist.group.WORLD, chunk_size=CHUNK, eval_terms=True,
-        ).argmax  # fmt: skip
+            hidden,
+            local,
+            labels.t(),
+            loss="ce",
+            vocab_size=203,
+            tau=1.0,
+            tp_group=dist.group.WORLD,
+            chunk_size=CHUNK,
+            eval_terms=True,
+        ).argmax
         logits = (hidden @ local.t()).reshape(-1, width)
         n_true = max(0, min(width, 203 - dist.get_rank() * width))
         expected = parallel_argmax(logits[:, :n_true], dist.get_rank() * width, _tp())

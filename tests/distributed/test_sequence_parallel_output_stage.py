@@ -64,7 +64,7 @@ def _stage(sharded: bool, objective: tuple, upstream: str, dtype, train: bool = 
     from megatron_tempnet.losses import fused_output_stage
     from megatron_tempnet.models.gpt import objective as gpt_objective
     from megatron_tempnet.models.gpt.layers import FinalHidden
-    from megatron_tempnet.models.gpt.objective import LossConfig, token_losses
+    from megatron_tempnet.models.gpt.objective import LossConfig, token_losses_fused
     from megatron_tempnet.tempnet import TempNetLM
 
     rank, tp = dist.get_rank(), dist.get_world_size()
@@ -104,7 +104,7 @@ def _stage(sharded: bool, objective: tuple, upstream: str, dtype, train: bool = 
     shapes = _Shapes()
     with shapes, mock.patch.object(gpt_objective, "fused_output_stage", stage):
         final = FinalHidden(hidden, weight, sequence_parallel=sharded)
-        out = token_losses(
+        out = token_losses_fused(
             final,
             labels,
             config,

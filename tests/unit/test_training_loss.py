@@ -12,7 +12,7 @@ from megatron_tempnet.models.gpt.objective import (
     LossConfig,
     LossConfigError,
     masked_mean,
-    token_losses,
+    token_losses_from_logits,
 )
 from megatron_tempnet.tempnet import TempNetLM
 
@@ -38,7 +38,7 @@ def test_every_combination_matches_its_reference(loss, source):
     logits = (torch.randn(2, 6, PAD) * 3).requires_grad_()
     labels = torch.randint(0, V, (2, 6))
     net = TempNetLM(V, hidden_size=8, proj_size=8, padded_vocab_size=PAD, tau_min=0.05)
-    out = token_losses(logits, labels, cfg, vocab_size=V, tempnet=net)
+    out = token_losses_from_logits(logits, labels, cfg, vocab_size=V, tempnet=net)
     if source == "tempnet":
         tau = net(logits).detach()
     elif source == "newton":
@@ -47,14 +47,16 @@ def test_every_combination_matches_its_reference(loss, source):
         tau = torch.full((2, 6), 0.7)
     torch.testing.assert_close(out.tau, tau)
     expected = {
-        "dro": lambda: dro_loss(logits.detach().double(), labels, tau.double(), rho=2.0,
-                                vocab_size=V),
+        "dro": lambda: dro_loss(
+            logits.detach().double(), labels, tau.double(), rho=2.0, vocab_size=V
+        ),
         "ts-ce": lambda: _ce(logits.detach(), labels, tau),
         "ce": lambda: _ce(logits.detach(), labels, torch.ones(2, 6)),
-    }[loss]()  # fmt: skip
+    }[loss]()
     torch.testing.assert_close(out.loss.double(), expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out.ce.double(), _ce(logits.detach(), labels, torch.ones(2, 6)),
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        out.ce.double(), _ce(logits.detach(), labels, torch.ones(2, 6)), rtol=1e-5, atol=1e-5
+    )
     mask = torch.ones(2, 6)
     mask[1, 3:] = 0
     total = masked_mean(out.loss, mask, mask.sum())
@@ -90,7 +92,7 @@ def test_evaluation_reports_the_t_llm_term(loss):
     labels = torch.randint(0, V, (2, 5))
     net = TempNetLM(V, hidden_size=8, proj_size=8, padded_vocab_size=PAD, tau_min=0.05).eval()
     with torch.no_grad():
-        out = token_losses(logits, labels, cfg, vocab_size=V, tempnet=net)
+        out = token_losses_from_logits(logits, labels, cfg, vocab_size=V, tempnet=net)
     tau = net(logits) if source == "tempnet" else torch.full((2, 5), 0.6)
     torch.testing.assert_close(out.ts_ce.double(), _ce(logits, labels, tau), rtol=1e-5, atol=1e-6)
-    assert token_losses(logits, labels, cfg, vocab_size=V, tempnet=net).ts_ce is None
+    assert token_losses_from_logits(logits, labels, cfg, vocab_size=V, tempnet=net).ts_ce is None

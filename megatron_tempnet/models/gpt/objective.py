@@ -106,8 +106,8 @@ class TokenLosses:
     ts_ce: torch.Tensor | None = None  # cross-entropy of L / tau (T-LLM), in eval mode only
 
 
-def token_losses(
-    logits: torch.Tensor | FinalHidden,
+def token_losses_from_logits(
+    logits: torch.Tensor,
     labels: torch.Tensor,
     config: LossConfig,
     *,
@@ -116,22 +116,20 @@ def token_losses(
     tau: torch.Tensor | None = None,
     tp_group=None,
 ) -> TokenLosses:
-    """Per-token training loss, cross-entropy and tau from vocabulary-parallel logits, or from
-    the final hidden states through the fused output stage.
+    """Per-token training loss, cross-entropy and tau from vocabulary-parallel logits (the path
+    of ``--no-fused-output-stage``).
 
     Args:
-        logits: ``[b, s, V_pad/tp]`` this rank's slice of the output layer (never gathered), or
-            the LM's ``FinalHidden`` (``--fused-output-stage``: the logits are never formed).
+        logits: ``[b, s, V_pad/tp]`` this rank's slice of the output layer (never gathered).
         labels: ``[b, s]`` target ids.
+        config: the loss and where tau comes from.
         vocab_size: the true vocabulary |C|; padded columns are excluded from every sum.
         tempnet: the ``TempNetLM`` for ``--tau-source tempnet``.
         tau: ``[b, s]`` TempNet's prediction, when it ran already (pipeline's last stage).
         tp_group: the tensor-parallel group the vocabulary is split over (None: no TP).
+    Returns:
+        ``TokenLosses``, each ``[b, s]``; ``ts_ce`` in evaluation (no gradients) only.
     """
-    if isinstance(logits, FinalHidden):
-        return _fused_token_losses(
-            logits, labels, config, vocab_size=vocab_size, tempnet=tempnet, tp_group=tp_group
-        )
     if config.tau_source == "tempnet":
         if tau is None:
             tau = tempnet(logits)  # [b, s]; detached input unless --no-tempnet-stop-grad
@@ -170,10 +168,31 @@ def token_losses(
     return TokenLosses(loss=loss, ce=ce, tau=tau.detach(), ts_ce=ts_ce)
 
 
-def _fused_token_losses(
-    final: FinalHidden, labels, config: LossConfig, *, vocab_size, tempnet, tp_group
+def token_losses_fused(
+    final: FinalHidden,
+    labels: torch.Tensor,
+    config: LossConfig,
+    *,
+    vocab_size: int,
+    tempnet: torch.nn.Module | None = None,
+    tp_group=None,
 ) -> TokenLosses:
-    """``token_losses`` through ``fused_output_stage``: the same values and gradients."""
+    """Per-token training loss, cross-entropy and tau from the final hidden states, through the
+    fused output stage (``fused_output_stage``): the logits are never formed. The same values
+    and gradients as ``token_losses_from_logits`` on the output layer's logits.
+
+    Args:
+        final: the LM's ``FinalHidden``: hidden states ``[s, b, h]`` (sequence parallel:
+            ``[s/tp, b, h]``, this rank's shard) and the output weight ``[V_pad/tp, h]``.
+        labels: ``[b, s]`` target ids.
+        config: the loss, where tau comes from and the chunk size.
+        vocab_size: the true vocabulary |C|; padded columns are excluded from every sum.
+        tempnet: the ``TempNetLM`` for ``--tau-source tempnet``; None: ``final.tempnet``
+            (pipeline's last stage).
+        tp_group: the tensor-parallel group the vocabulary is split over (None: no TP).
+    Returns:
+        ``TokenLosses``, each ``[b, s]``; ``ts_ce`` in evaluation (no gradients) only.
+    """
     if config.tau_source == "tempnet":
         source = {"tempnet": tempnet if tempnet is not None else final.tempnet}
         source["tempnet_params"] = final.tempnet_params
@@ -242,7 +261,7 @@ class OutputStage(torch.nn.Module):
         labels -> ``(loss, ce, tau[, ts_ce])`` (tensors: ZeRO-3 finds its backward hooks'
         anchors in them)."""
         final = FinalHidden(hidden, self._weight[0], sequence_parallel=self.sequence_parallel)
-        out = token_losses(
+        out = token_losses_fused(
             final,
             labels,
             self.loss_config,
@@ -290,7 +309,7 @@ class TrainModule(torch.nn.Module):
                 logits = self.lm(tokens, position_ids)  # [b, s, V_pad/tp]
         if self.output_stage is not None:
             return TokenLosses(*self.output_stage(hidden, labels))
-        return token_losses(
+        return token_losses_from_logits(
             logits,
             labels,
             self.loss_config,

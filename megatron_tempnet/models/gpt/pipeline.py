@@ -23,7 +23,12 @@ from megatron_tempnet.models.gpt.layers import (
     gpt_layer_specs,
     stage_view,
 )
-from megatron_tempnet.models.gpt.objective import LossConfig, masked_mean, token_losses
+from megatron_tempnet.models.gpt.objective import (
+    LossConfig,
+    masked_mean,
+    token_losses_from_logits,
+    token_losses_fused,
+)
 from megatron_tempnet.models.gpt.step import (
     VALID_STATS,
     TokenStatistics,
@@ -80,19 +85,13 @@ class PipelineObjective:
         self.valid_stats = Statistics(VALID_STATS, compute_device())
 
     def __call__(self, outputs, labels):
-        if isinstance(outputs, FinalHidden):  # the fused output stage
-            logits, tau = outputs, None
-        else:
-            logits, tau = outputs if isinstance(outputs, tuple) else (outputs, None)
         labels, mask = labels
-        out = token_losses(
-            logits,
-            labels,
-            self.loss,
-            vocab_size=self.vocab_size,
-            tau=tau,
-            tp_group=self.tp_group,
-        )
+        common = {"vocab_size": self.vocab_size, "tp_group": self.tp_group}
+        if isinstance(outputs, FinalHidden):  # the fused output stage (TempNet rides along)
+            out = token_losses_fused(outputs, labels, self.loss, **common)
+        else:  # the logits, with TempNet's tau when TempNet is the last piece
+            logits, tau = outputs if isinstance(outputs, tuple) else (outputs, None)
+            out = token_losses_from_logits(logits, labels, self.loss, tau=tau, **common)
         if torch.is_grad_enabled():
             self.train_stats.add(out, mask)
             return masked_mean(out.loss, mask, self.num_tokens) * self.scale
