@@ -132,7 +132,7 @@ def _now() -> float:
 
 def ours_generate(model, prompts, new: int, steps=None, kv_cache: bool = True):
     from megatron_tempnet.inference.generation import generate
-    from megatron_tempnet.inference.sampling import SamplingConfig
+    from megatron_tempnet.inference.token_sampling import SamplingConfig
 
     if steps is not None:
         steps.start()

@@ -8,14 +8,13 @@ parameters (megatron-core marks them ``tensor_model_parallel``) from replicated 
 from __future__ import annotations
 
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 
 class MegatronMPU:
     """megatron-core's process groups under the method names DeepSpeed calls."""
 
     def __init__(self):
-        from megatron.core import parallel_state
-
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("initialise megatron-core's parallel_state before the engine")
         self._ps = parallel_state

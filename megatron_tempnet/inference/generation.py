@@ -24,7 +24,7 @@ import torch
 
 from megatron_tempnet.distributed.groups import resolve_tp_group
 from megatron_tempnet.inference.model import InferenceError, InferenceModel
-from megatron_tempnet.inference.sampling import SamplingConfig, TokenChooser
+from megatron_tempnet.inference.token_sampling import SamplingConfig, TokenChooser
 
 
 @dataclass

@@ -40,8 +40,8 @@ from tqdm import tqdm
 from megatron_tempnet.inference.cli import load_from_args
 from megatron_tempnet.inference.evaluation import merge, windows
 from megatron_tempnet.inference.model import InferenceError, init_inference
-from megatron_tempnet.inference.sampling import SamplingConfig
 from megatron_tempnet.inference.service import Service, share, world
+from megatron_tempnet.inference.token_sampling import SamplingConfig
 
 AUTO_BATCH_SIZE = 16
 _log = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_tempnet.distributed.groups import resolve_tp_group
 from megatron_tempnet.distributed.sharding import shard
@@ -100,8 +101,6 @@ class InferenceModel:
 def init_inference(tensor_parallel: int) -> None:
     """torch.distributed over this job's processes (``tensor_parallel`` of them) and
     megatron-core's groups; a lone process with TP = 1 needs no launcher."""
-    from megatron.core import parallel_state
-
     from megatron_tempnet.compat import apply_cpu_support
     from megatron_tempnet.distributed.launch import bind_device, launch_environment
 
@@ -138,8 +137,6 @@ def load_inference_model(
     A frozen-LM run's checkpoint holds TempNet only: the LM then comes from
     ``pretrained_checkpoint`` (default: the one that run was started with).
     """
-    from megatron.core import parallel_state
-
     from megatron_tempnet.models.gpt.layers import build_gpt_model
 
     tp = parallel_state.get_tensor_model_parallel_world_size()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 import torch
+from megatron.core import parallel_state
 from torch import nn
 
 ATTENTION_BACKENDS = ("auto", "unfused")
@@ -194,8 +195,6 @@ class KVCache:
 
 
 def _tp_size() -> int:
-    from megatron.core import parallel_state
-
     return parallel_state.get_tensor_model_parallel_world_size()
 
 

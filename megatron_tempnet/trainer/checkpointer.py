@@ -33,6 +33,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_tempnet import compat
 from megatron_tempnet.trainer import checkpoint_writer
@@ -88,12 +89,10 @@ class LoadMode(enum.Enum):
 
 
 def current_layout(engine) -> dict[str, int]:
-    from megatron.core import parallel_state as ps
-
     return {
-        "tensor_parallel": ps.get_tensor_model_parallel_world_size(),
-        "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
-        "data_parallel": ps.get_data_parallel_world_size(),
+        "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size(),
+        "data_parallel": parallel_state.get_data_parallel_world_size(),
         "zero_stage": engine.zero_optimization_stage(),
     }
 

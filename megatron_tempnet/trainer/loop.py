@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_tempnet.data.loader import DataState, ResumableLoader, dataset_fingerprint
 from megatron_tempnet.distributed.launch import launch_environment
@@ -19,10 +20,10 @@ from megatron_tempnet.trainer.checkpoint_format import CONFIG, CONFIG_YAML, Chec
 from megatron_tempnet.trainer.checkpointer import Checkpointer
 from megatron_tempnet.trainer.config import RunConfig
 from megatron_tempnet.trainer.engine import build_engine, init_process_groups
-from megatron_tempnet.trainer.metrics import RunLogger, memory_mb
 from megatron_tempnet.trainer.preemption import EXIT_REQUEUE, StopRequests
 from megatron_tempnet.trainer.profiling import RunHooks
 from megatron_tempnet.trainer.run_lock import RunLock
+from megatron_tempnet.trainer.run_logger import RunLogger, memory_mb
 from megatron_tempnet.trainer.schedule import LRSchedule, TrainSchedule
 from megatron_tempnet.trainer.stats import read_step
 from megatron_tempnet.trainer.step import check_finite, compute_device
@@ -65,8 +66,6 @@ def _train(
     config: RunConfig, task: Task, inputs, world_size: int, requests: StopRequests
 ) -> RunResult:
     """Build, resume and run the iterations (``pretrain``'s body, under the --save lock)."""
-    from megatron.core import parallel_state
-
     data = task.build_data(config, inputs)
     model = task.build_model(config, data)
     engine, optimizer = build_engine(model, config, world_size)

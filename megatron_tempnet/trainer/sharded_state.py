@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_tempnet import compat
 from megatron_tempnet.distributed.groups import vocab_partition
@@ -154,9 +155,8 @@ class _Range:
 
 def _even_split(numel: int) -> tuple[int, int]:
     """This data-parallel rank's share of a value every data-parallel rank holds whole."""
-    from megatron.core import parallel_state as ps
-
-    rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    rank = parallel_state.get_data_parallel_rank()
+    size = parallel_state.get_data_parallel_world_size()
     return numel * rank // size, numel * (rank + 1) // size
 
 
@@ -225,9 +225,8 @@ def parameter_boxes(
     """This rank's boxes of every parameter of its stage (``saving``: those it writes; else
     those it fills). ``skip_frozen``: leave the parameters that do not train out;
     ``moments``: AdamW's moments too (the optimizer has its state)."""
-    from megatron.core import parallel_state as ps
-
-    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
     result = []
     for name, param in layout_free_parameters(engine.module):
         if (skip_frozen and not param.requires_grad) or (

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_tempnet import compat
 from megatron_tempnet.trainer.config import RunConfig
@@ -59,8 +60,6 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     Each gradient's squared norm is taken in float32 (no float64 copy of any gradient), their
     sum in float64.
     """
-    from megatron.core import parallel_state
-
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     params = [p for p in parameters if p.grad is not None]
     counted = [

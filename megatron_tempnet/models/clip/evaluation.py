@@ -4,7 +4,7 @@ Every data-parallel rank encodes every ``dp``-th sample of an evaluation set (al
 ranks of a group the same ones), and the embeddings are all-gathered into dataset order, so
 every rank computes the same metrics:
 
-- retrieval: IR@1/5/10 and TR@1/5/10 (``metrics.retrieval_recalls``); with labels, a
+- retrieval: IR@1/5/10 and TR@1/5/10 (``zero_shot_metrics.retrieval_recalls``); with labels, a
   retrieved item is correct when it carries the query's label (COCO: the image id; a class
   name for datasets whose captions describe the class only);
 - zero-shot classification with prompt templates over the labels as class names (top-1/top-5);
@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_tempnet.models.clip.data.image_text import ImageTextDataError
-from megatron_tempnet.models.clip.metrics import (
+from megatron_tempnet.models.clip.step import unpack_batch
+from megatron_tempnet.models.clip.zero_shot_metrics import (
     auroc,
     class_embeddings,
     retrieval_recalls,
     tau_statistics,
     zero_shot_accuracy,
 )
-from megatron_tempnet.models.clip.step import unpack_batch
 
 
 def _gather_rows(local: torch.Tensor, total: int, group) -> torch.Tensor:

@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+from megatron.core import parallel_state
 
 from megatron_tempnet.data.tokenizers import TokenizerConfig
 from megatron_tempnet.distributed.sharding import TensorLayout
 from megatron_tempnet.models.clip.config import CLIPLossConfig, CLIPModelConfig
 from megatron_tempnet.models.clip.data.captions import tokenize_captions
 from megatron_tempnet.models.clip.data.image_text import ImageTextDataConfig, ImageTextDataset
-from megatron_tempnet.models.clip.data.sampling import EpochShuffledDataset
+from megatron_tempnet.models.clip.data.shuffled_epochs import EpochShuffledDataset
 from megatron_tempnet.models.clip.evaluation import evaluate_clip
 from megatron_tempnet.models.clip.objective import CLIPTrainModule
 from megatron_tempnet.models.clip.sample_state import SampleStateError, ShardedSampleState
@@ -150,8 +151,6 @@ class CLIPTask:
         return tokenizer
 
     def build_data(self, config: CLIPRunConfig, tokenizer) -> CLIPData:
-        from megatron.core import parallel_state
-
         t, e = config.training, config.evaluation
         # rank 0 first: it scans each tar shard once and caches the index the others then read
         pairs = _rank0_first(lambda: ImageTextDataset(config.data, tokenizer))
@@ -182,8 +181,6 @@ class CLIPTask:
     def build_model(self, config: CLIPRunConfig, data: CLIPData) -> TrainModel:
         if config.parallel.pipeline_model_parallel_size > 1:
             return self._pipeline_stage(config, data)
-        from megatron.core import parallel_state
-
         t = config.training
         dtype = t.params_dtype
         clip = CLIPModel(
@@ -211,8 +208,6 @@ class CLIPTask:
         )
 
     def _pipeline_stage(self, config: CLIPRunConfig, data: CLIPData) -> TrainModel:
-        from megatron.core import parallel_state
-
         from megatron_tempnet.models.clip import pipeline
 
         t, p, m = config.training, config.parallel, config.model
@@ -245,8 +240,6 @@ class CLIPTask:
         )
 
     def build_step(self, engine, optimizer, config: CLIPRunConfig, data: CLIPData):
-        from megatron.core import parallel_state
-
         if config.parallel.pipeline_model_parallel_size > 1:
             from megatron_tempnet.models.clip.pipeline import pipeline_train_step
             from megatron_tempnet.trainer.pipeline import NormRecorder
@@ -269,8 +262,6 @@ class CLIPTask:
         )
 
     def validate(self, engine, config: CLIPRunConfig, data: CLIPData) -> dict:
-        from megatron.core import parallel_state
-
         e = config.evaluation
         if config.parallel.pipeline_model_parallel_size > 1:
             from megatron_tempnet.models.clip.pipeline import PipelineEncoder

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+from megatron.core import parallel_state
 
 from megatron_tempnet.data.gpt_data import (
     GPTDataConfig,
@@ -205,8 +206,6 @@ class GPTTask:
 
     def build_model(self, config: GPTRunConfig, data: TaskData) -> TrainModel:
         """The LM (and TempNet) with the same initial weights whatever the parallel layout."""
-        from megatron.core import parallel_state
-
         tp_group = parallel_state.get_tensor_model_parallel_group()
         if config.parallel.pipeline_model_parallel_size > 1:
             module = self._pipeline_stage(config, tp_group)
@@ -293,8 +292,6 @@ class GPTTask:
 
     def build_step(self, engine, optimizer, config: GPTRunConfig, data: TaskData):
         """``step(batches) -> (stats, grad_norm)`` for this layout (one process or a pipeline)."""
-        from megatron.core import parallel_state
-
         dp_group = parallel_state.get_data_parallel_group()
         max_norm = step_max_grad_norm(config)
         if config.parallel.pipeline_model_parallel_size == 1:
@@ -307,8 +304,6 @@ class GPTTask:
 
     def validate(self, engine, config: GPTRunConfig, data: TaskData) -> dict:
         """The first --eval-iters global batches of the validation split, every time."""
-        from megatron.core import parallel_state
-
         t = config.training
         dp_group = parallel_state.get_data_parallel_group()
         loader = ResumableLoader(

@@ -22,8 +22,8 @@ column, empty caption, missing image, a caption without an image...) stops const
 error naming the file and the line or member; with ``--skip-bad-samples`` it is dropped, counted
 and reported in one warning. An image that cannot be decoded is reported when read; with
 ``--skip-bad-samples`` the next readable pair takes its place (with its own index). Reads take
-the augmentation's epoch, ``get(index, epoch)``; ``sampling`` gives each training position its
-pair and epoch.
+the augmentation's epoch, ``get(index, epoch)``; ``shuffled_epochs`` gives each training
+position its pair and epoch.
 """
 
 from __future__ import annotations
