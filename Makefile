@@ -6,9 +6,11 @@
 #                  ~/.cache/megatron_tempnet), frozen: import, parity with transformers, three
 #                  TempNets, the held-out table against fixed and per-token-optimal tau
 #                  (examples/real_lm.py)
-# make install     only create/refresh .venv
+# make install     only create/refresh .venv (TORCH_INDEX=URL: pip's index for torch, e.g.
+#                  https://download.pytorch.org/whl/cpu for the CPU build; default: pip's own)
 # make lint     ruff check + format check
-# make docs     regenerate docs/megatron_flags.md (the "from Megatron-LM" flag table)
+# make docs     regenerate docs/megatron_flags.md (the "from Megatron-LM" flag table) and
+#               docs/cli.md (every flag of the entry points and tools)
 # make bench    loss benchmark (prints a table)
 # make bench-data  preprocessing throughput and memory on a generated 200 MB .jsonl.zst
 # make bench-step  training step: fused vs unfused attention, DRO + TempNet vs CE, the planner
@@ -27,6 +29,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
+TORCH_INDEX ?=
+TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
+
 GPU_PYTHON ?= $(BIN)/python
 GPU_REPORT ?= runs/gpu-check.md
 
@@ -43,12 +48,13 @@ real-lm: $(STAMP)
 
 install: $(STAMP)
 
-# Order matters: torch first (2.13.0 CPU build here; a bare `torch` would pull a CUDA build),
+# Order matters: torch first (2.13.0 as pip resolves it: from PyPI on Linux that is the CUDA
+# build, TORCH_INDEX names another index; a bare `torch` would pull a newer CUDA build),
 # then DeepSpeed without build isolation and with no ops compiled, then the project.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip setuptools wheel
-	$(BIN)/python -m pip install -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install -c constraints.txt $(TORCH_INDEX_ARG) torch==2.13.0
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -c constraints.txt --no-build-isolation deepspeed
 	$(BIN)/python -m pip install -c constraints.txt -e '.[test,eval,wandb,gguf]'
 	touch $(STAMP)
@@ -59,6 +65,7 @@ lint: $(STAMP)
 
 docs: $(STAMP)
 	$(BIN)/python -m megatron_tempnet.models.gpt.flag_table > docs/megatron_flags.md
+	$(BIN)/python tools/cli_reference.py > docs/cli.md
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

@@ -25,11 +25,17 @@ from megatron_tempnet.models.clip.arguments import (  # noqa: E402
 from megatron_tempnet.models.clip.task import CLIPTask  # noqa: E402
 from megatron_tempnet.trainer.loop import pretrain  # noqa: E402
 from megatron_tempnet.utils.cli import run_tool  # noqa: E402
+from megatron_tempnet.utils.flag_parser import FlagParser  # noqa: E402
 from megatron_tempnet.utils.yaml_cfg import parse_with_yaml  # noqa: E402
 
 
+def build_parser() -> FlagParser:
+    """The command line of this program (also read by tools/cli_reference.py)."""
+    return build_clip_parser()
+
+
 def main(argv: list[str] | None = None) -> int:
-    config = clip_config_from_args(parse_with_yaml(build_clip_parser(), argv))
+    config = clip_config_from_args(parse_with_yaml(build_parser(), argv))
     return pretrain(config, CLIPTask()).exit_code
 
 

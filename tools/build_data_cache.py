@@ -26,7 +26,7 @@ from megatron_tempnet.utils.cli import run_tool
 from megatron_tempnet.utils.flags import add_flags, from_flags
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_flags(p, GPTDataConfig, "data")
     add_flags(p, TokenizerConfig, "tokenizer")
@@ -36,7 +36,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t, same = TrainingConfig, "the run's (default: %(default)s)"
     g.add_argument("--eval-interval", type=int, default=t.eval_interval, help=same)
     g.add_argument("--eval-iters", type=int, default=t.eval_iters, help=same)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,7 +53,7 @@ from megatron_tempnet.utils.files import write_atomic
 from megatron_tempnet.utils.progress import progress
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_model_args(p)
     g = p.add_argument_group("data")
@@ -115,7 +115,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="tokens per chunk of the fused output stage (0: the default, 16M logits per rank)",
     )
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def read_documents(args, tokenizer, vocab_size: int) -> list[list[int]]:

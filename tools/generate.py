@@ -31,13 +31,13 @@ from megatron_tempnet.inference.cli import (
     load_from_args,
 )
 from megatron_tempnet.inference.generation import GenerationError, generate, token_texts
-from megatron_tempnet.inference.sampling import SamplingConfig
+from megatron_tempnet.inference.token_sampling import SamplingConfig
 from megatron_tempnet.utils.cli import run_tool
 from megatron_tempnet.utils.files import write_atomic
 from megatron_tempnet.utils.progress import progress
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_model_args(p)
     g = p.add_argument_group("generation")
@@ -61,7 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="recompute the whole sequences at every step instead of caching keys and values",
     )
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def read_prompts(path: str) -> list[str]:

@@ -18,7 +18,7 @@ from megatron_tempnet.data.tokenizer_sidecar import merged_sidecar, read_sidecar
 from megatron_tempnet.utils.cli import run_tool
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
         "--input",
@@ -29,7 +29,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin/.idx")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ from megatron_tempnet.utils.cli import run_tool
 from megatron_tempnet.utils.flags import add_flags, from_flags
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     g = p.add_argument_group("input and output")
     g.add_argument(
@@ -73,7 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="skip lines that are not a JSON object with string --json-keys, report "
         "each one and count them (default: stop at the first, naming file:line)",
     )
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,8 +42,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from megatron_tempnet.inference.cli import add_model_args, load_from_args
 from megatron_tempnet.inference.generation import GenerationError, check_prompts, token_texts
 from megatron_tempnet.inference.model import InferenceError
-from megatron_tempnet.inference.sampling import SamplingConfig
 from megatron_tempnet.inference.service import Service
+from megatron_tempnet.inference.token_sampling import SamplingConfig
 from megatron_tempnet.utils.cli import run_tool
 
 MAX_BODY = 1 << 20
@@ -65,7 +65,7 @@ class BadRequest(ValueError):
     """A request the server answers with 400 and ``message``."""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_model_args(p)
     g = p.add_argument_group("server")
@@ -76,7 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-tokens-to-generate", type=int, default=1024, help="the most a request may ask for"
     )
     g.add_argument("--max-prompts", type=int, default=128, help="prompts per request")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 class Generator:

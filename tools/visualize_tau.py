@@ -136,7 +136,7 @@ def render_png(records: list[dict], cmap, vmin: float, vmax: float, width: int, 
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--input", required=True, help="tools/generate.py output (JSONL)")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.html and PREFIX.png")
@@ -146,7 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vmin", type=float)
     p.add_argument("--vmax", type=float)
     p.add_argument("--width-chars", type=int, default=100, help="PNG line width")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     records = read_records(args.input, args.index)
     taus = [t for r in records for t in r["tau"]] or [0.0]
     vmin = min(taus) if args.vmin is None else args.vmin

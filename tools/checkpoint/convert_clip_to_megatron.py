@@ -31,7 +31,7 @@ from megatron_tempnet.utils.cli import run_tool
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf-dir", help="a local transformers CLIPModel directory")
@@ -46,7 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), help="cast the weights (default: float32)")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint in --save")
-    return p.parse_args(argv)  # fmt: skip
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def _read(args) -> tuple[dict, dict]:

@@ -40,7 +40,7 @@ _TOKENIZER_FILES = (
 )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint directory (its 'latest')")
     p.add_argument("--save", required=True, help="output Hugging Face model directory")
@@ -54,7 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "else llama)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace files in --save")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

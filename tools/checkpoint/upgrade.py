@@ -56,12 +56,16 @@ _LAYER = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("load", help="a --save directory holding checkpoints of the earlier format")
     p.add_argument("--save", help="write the upgraded checkpoints here (default: in place)")
     p.add_argument("--all", action="store_true", help="every complete checkpoint, not only latest")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def _portable(directory: str) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
