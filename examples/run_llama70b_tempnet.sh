@@ -19,10 +19,15 @@
 #
 # Environment (defaults in brackets), plus REPO, PYTHON, DEVICE, NPROC_PER_NODE, SAVE_INTERVAL and
 # LOG_INTERVAL from examples/lib/slurm.sh:
-#   LM_CHECKPOINT   [checkpoints/llama2-70b-chat] the frozen LM as a checkpoint of this project
-#                   (any TP x PP: resharded to the run's); read at every start and resume
-#   TOKENIZER_MODEL [$LM_CHECKPOINT/tokenizer.model] LLaMA-2's SentencePiece model
+#   LM_CHECKPOINT   [checkpoints/llama2-70b-chat] the frozen LM, as
+#                   tools/checkpoint/convert_hf_to_megatron.py writes it from Llama-2-70b-chat-hf;
+#                   any TP x PP loads (each rank reads its part at the run's layout). It is read
+#                   at every start, a resume included: the run's checkpoints hold TempNet only
+#   TOKENIZER_MODEL [$LM_CHECKPOINT/tokenizer] a Hugging Face tokenizer folder (the converter
+#                   copies the model's tokenizer files there)
 #   DATA_PATH       [data/owt2_llama2_text_document] OpenWebText2 from tools/preprocess_data.py
+#                   with --tokenizer-type HuggingFaceTokenizer --tokenizer-model
+#                   $LM_CHECKPOINT/tokenizer (a dataset of another tokenizer is refused)
 #   SPLIT           [949,50,1] train, validation, test shares
 #   RUN_DIR         [runs/llama70b_tempnet] checkpoints/ (TempNet, optimizer, data position),
 #                   tensorboard/, metrics.jsonl
@@ -54,8 +59,7 @@ tempnet_run_flags
 FLAGS=(
     --model "${MODEL:-llama2-70b}" --bf16
     --tensor-model-parallel-size "${TP:-4}" --pipeline-model-parallel-size "${PP:-1}"
-    --tokenizer-type SentencePieceTokenizer
-    --tokenizer-model "${TOKENIZER_MODEL:-$LM_CHECKPOINT/tokenizer.model}"
+    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "${TOKENIZER_MODEL:-$LM_CHECKPOINT/tokenizer}"
     --data-path "${DATA_PATH:-data/owt2_llama2_text_document}" --split "${SPLIT:-949,50,1}"
     --pretrained-checkpoint "$LM_CHECKPOINT" --freeze-lm
     --loss dro --tau-source tempnet --tempnet-rho 10

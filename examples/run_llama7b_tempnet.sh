@@ -9,10 +9,16 @@
 #
 # Environment (defaults in brackets), plus REPO, PYTHON, DEVICE, NPROC_PER_NODE, SAVE_INTERVAL and
 # LOG_INTERVAL from examples/lib/slurm.sh:
-#   LM_CHECKPOINT   [checkpoints/llama2-7b] the frozen LM as a checkpoint of this project (any
-#                   layout); each start reads every rank's part of it
-#   TOKENIZER_MODEL [$LM_CHECKPOINT/tokenizer.model] LLaMA-2's SentencePiece model
-#   DATA_PATH       [data/owt2_llama2_text_document]   SPLIT [949,50,1]
+#   LM_CHECKPOINT   [checkpoints/llama2-7b] the frozen LM, as
+#                   tools/checkpoint/convert_hf_to_megatron.py writes it from Llama-2-7b-hf; any
+#                   TP x PP loads (each rank reads its part at the run's layout). It is read at
+#                   every start, a resume included: the run's checkpoints hold TempNet only
+#   TOKENIZER_MODEL [$LM_CHECKPOINT/tokenizer] a Hugging Face tokenizer folder (the converter
+#                   copies the model's tokenizer files there)
+#   DATA_PATH       [data/owt2_llama2_text_document] OpenWebText2 from tools/preprocess_data.py
+#                   with --tokenizer-type HuggingFaceTokenizer --tokenizer-model
+#                   $LM_CHECKPOINT/tokenizer (a dataset of another tokenizer is refused)
+#   SPLIT           [949,50,1]
 #   RUN_DIR         [runs/llama7b_tempnet]
 #   MODEL [llama2-7b]  TP [1]  PP [1]  TRAIN_ITERS [30000]  GLOBAL_BATCH [16]  MICRO_BATCH [2]
 #   RHO [10]  SEQ_LENGTH [the preset's: 4096]  EXTRA_ARGS [more pretrain_gpt.py flags]
@@ -40,8 +46,7 @@ tempnet_run_flags
 FLAGS=(
     --model "${MODEL:-llama2-7b}" --bf16
     --tensor-model-parallel-size "${TP:-1}" --pipeline-model-parallel-size "${PP:-1}"
-    --tokenizer-type SentencePieceTokenizer
-    --tokenizer-model "${TOKENIZER_MODEL:-$LM_CHECKPOINT/tokenizer.model}"
+    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "${TOKENIZER_MODEL:-$LM_CHECKPOINT/tokenizer}"
     --data-path "${DATA_PATH:-data/owt2_llama2_text_document}" --split "${SPLIT:-949,50,1}"
     --pretrained-checkpoint "$LM_CHECKPOINT" --freeze-lm
     --loss dro --tau-source tempnet --tempnet-rho "${RHO:-10}"

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from tests.helpers.checkpoints import global_tensors, weights
-from tests.helpers.corpus import blend_corpus
+from tests.helpers.corpus import blend_corpus, data_flags
 from tests.helpers.distributed import run_distributed
-from tests.helpers.entry_points import run_command
+from tests.helpers.entry_points import cli_flags, run_command, run_entry_point
 from tests.helpers.faults import PlantedPickle
 from tests.helpers.hf_models import (
     LLAMA31_ROPE,
@@ -31,6 +31,7 @@ from tests.helpers.hf_models import (
     save_hf_mistral,
     to_hub_rope_spelling,
 )
+from tests.helpers.run_flags import tempnet_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
@@ -66,8 +67,17 @@ def tool(script: str, *args, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def convert(hf_dir: str, out, tp: int = 1, pp: int = 1) -> str:
-    r = tool("checkpoint/convert_hf_to_megatron.py", "--hf-dir", hf_dir, "--save", out,
-             "--target-tp", tp, "--target-pp", pp)  # fmt: skip
+    r = tool(
+        "checkpoint/convert_hf_to_megatron.py",
+        "--hf-dir",
+        hf_dir,
+        "--save",
+        out,
+        "--target-tp",
+        tp,
+        "--target-pp",
+        pp,
+    )
     # progress without a terminal: a closing line over the tensors, one per LM parameter
     done = re.search(rf"writing {re.escape(str(out))}: 100% (\d+)/(\d+) tensor in ", r.stderr)
     written = global_tensors(out, "iter_0000000", prefix="weight/")
@@ -146,42 +156,43 @@ def test_converted_models_give_hf_logits_at_every_layout(hf, arch, tmp_path):
         assert (logits[..., vocab:] == 0).all()  # zero rows for the padding
 
 
-def _model_args(ckpt) -> list[str]:
+def model_args(ckpt) -> list[str]:
+    """The model flags a conversion saved with the checkpoint ``ckpt`` (model_flags.txt)."""
     with open(os.path.join(ckpt, "model_flags.txt")) as f:
         return f.read().split()
 
 
+def corpus_run_args(setup, iters: int, tempnet_size: int) -> list[str]:
+    """A short pretrain_gpt.py run on the corpus of ``setup`` (a fixture's dict with ``corpus``
+    and ``dir``): dataset A in 32-token sequences, batches of 4 in micro-batches of 2, no
+    evaluation, a TempNet of width ``tempnet_size``."""
+    corpus = setup["corpus"]
+    run = {
+        **data_flags(corpus["spec"], corpus["prefix"]["A"], 32),
+        "micro-batch-size": 2,
+        "global-batch-size": 4,
+        "train-iters": iters,
+        "eval-interval": 0,
+        **tempnet_flags(tempnet_size),
+        "data-cache-path": setup["dir"] / "cache",
+    }
+    return cli_flags(run)
+
+
 def _pretrain(hf, nproc: int, flags: list[str], out) -> None:
-    spec = hf["corpus"]["spec"]
-    args = [
-        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", spec["vocab_file"],
-        "--merge-file", spec["merge_file"], "--data-path", hf["corpus"]["prefix"]["A"],
-        "--split", "90,8,2", "--seq-length", "32", "--micro-batch-size", "2",
-        "--global-batch-size", "4", "--train-iters", "2", "--eval-interval", "0",
-        "--tempnet-hidden-size", "16", "--tempnet-proj-size", "16", "--tempnet-rho", "4",
-        "--data-cache-path", str(hf["dir"] / "cache"), "--save", str(out), *flags,
-    ]  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", os.path.join(REPO, "pretrain_gpt.py"), *args]  # fmt: skip
-    r = run_command(cmd, env=ENV, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
+    args = [*corpus_run_args(hf, 2, 16), "--save", str(out), *flags]
+    run_entry_point("pretrain_gpt.py", nproc, args, env=ENV)
 
 
-@pytest.mark.parametrize(
-    "arch,tp,pp,how",
-    [("llama", 2, 1, "load"), ("gpt2", 1, 2, "pretrained"), ("llama", 1, 2, "finetune")],
-)
+@pytest.mark.parametrize("arch,tp,pp,how", [("llama", 2, 1, "load"), ("llama", 1, 2, "finetune")])
 def test_pretrain_gpt_trains_from_the_conversion(hf, arch, tp, pp, how, tmp_path):
     """With --lr 0 the run's saved LM is the converted one, tensor for tensor: the run loaded
-    every tensor; its HF export gives the run's logits."""
+    every tensor; its HF export gives the run's logits. (--pretrained-checkpoint: the
+    walk-through's test below.)"""
     ckpt = convert(hf[arch], tmp_path / "converted", tp, pp)
-    load = {
-        "load": ["--load", ckpt],
-        "finetune": ["--load", ckpt, "--finetune"],
-        "pretrained": ["--pretrained-checkpoint", ckpt, "--load", str(tmp_path / "run")],
-    }[how]
+    load = {"load": ["--load", ckpt], "finetune": ["--load", ckpt, "--finetune"]}[how]
     flags = [
-        *_model_args(ckpt),
+        *model_args(ckpt),
         *load,
         "--lr",
         "0",
@@ -200,23 +211,40 @@ def test_pretrain_gpt_trains_from_the_conversion(hf, arch, tp, pp, how, tmp_path
     assert lm and sorted(lm) == sorted(n for n in run if not n.startswith("tempnet."))
     for name in lm:
         assert torch.equal(run[name], converted[name]), name
-    tool("checkpoint/convert_megatron_to_hf.py", "--load", tmp_path / "run",
-         "--save", tmp_path / "hf-out")  # fmt: skip
+    tool(
+        "checkpoint/convert_megatron_to_hf.py",
+        "--load",
+        tmp_path / "run",
+        "--save",
+        tmp_path / "hf-out",
+    )
     tokens = _tokens(hf["vocab"])
     with torch.no_grad():
         exported = load_hf(str(tmp_path / "hf-out"))(tokens).logits
-    torch.testing.assert_close(our_logits(str(tmp_path / "run"), tokens, 1)[..., : hf["vocab"]],
-                               exported, rtol=0, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        our_logits(str(tmp_path / "run"), tokens, 1)[..., : hf["vocab"]],
+        exported,
+        rtol=0,
+        atol=1e-5,
+    )
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "llama3.1", "mistral"])
+# (LLaMA: the walk-through's test below)
+@pytest.mark.parametrize("arch", ["gpt2", "llama3.1", "mistral"])
 def test_round_trip_back_to_hf_is_weight_identical(hf, arch, tmp_path):
     from safetensors.torch import load_file
 
     ckpt = convert(hf[arch], tmp_path / "ours", 2, 2)
     out = tmp_path / "back"
-    r = tool("checkpoint/convert_megatron_to_hf.py", "--load", ckpt, "--save", out,
-             "--max-shard-size-gb", 0.0001)  # about 100 KB: several shards  # fmt: skip
+    r = tool(
+        "checkpoint/convert_megatron_to_hf.py",
+        "--load",
+        ckpt,
+        "--save",
+        out,
+        "--max-shard-size-gb",
+        0.0001,
+    )  # about 100 KB: several shards
     assert "shard(s)" in r.stdout
     n = len(original := load_file(os.path.join(hf[arch], "model.safetensors")))
     done = re.search(rf"converting {re.escape(ckpt)}: 100% (\d+)/(\d+) tensor in ", r.stderr)
@@ -235,8 +263,17 @@ def test_round_trip_back_to_hf_is_weight_identical(hf, arch, tmp_path):
         want = json.load(f)
     with open(out / "config.json") as f:
         got = json.load(f)
-    keys = ["vocab_size", "hidden_size", "num_key_value_heads", "rms_norm_eps", "n_embd",
-            "n_head", "activation_function", "tie_word_embeddings", "model_type"]  # fmt: skip
+    keys = [
+        "vocab_size",
+        "hidden_size",
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "n_embd",
+        "n_head",
+        "activation_function",
+        "tie_word_embeddings",
+        "model_type",
+    ]
     assert {k: got.get(k) for k in keys if k in want} == {k: want[k] for k in keys if k in want}
     if arch != "gpt2":  # as transformers reads them: RoPE (written in the Hub's spelling), class
         from transformers import AutoConfig
@@ -246,10 +283,126 @@ def test_round_trip_back_to_hf_is_weight_identical(hf, arch, tmp_path):
         assert got.rope_parameters == want.rope_parameters
         assert getattr(got, "sliding_window", None) is getattr(want, "sliding_window", None)
     if arch == "mistral":  # the same computation, exported under LLaMA's name on request
-        tool("checkpoint/convert_megatron_to_hf.py", "--load", ckpt, "--save", tmp_path / "as",
-             "--hf-model-type", "llama")  # fmt: skip
+        tool(
+            "checkpoint/convert_megatron_to_hf.py",
+            "--load",
+            ckpt,
+            "--save",
+            tmp_path / "as",
+            "--hf-model-type",
+            "llama",
+        )
         with open(tmp_path / "as" / "config.json") as f:
             assert json.load(f)["architectures"] == ["LlamaForCausalLM"]
+
+
+WALKTHROUGH = os.path.join(REPO, "docs", "walkthrough.md")
+
+
+def test_walkthrough_runs_as_written(tmp_path, monkeypatch):
+    """docs/walkthrough.md's own commands on a tiny LLaMA with a tokenizer, at TP 2: the
+    checkpoint carries the tokenizer that preprocessing and training use, TempNet is trained on
+    the frozen LM given by --pretrained-checkpoint, the LM exports back weight-identical, and
+    tools/generate.py and HF generate with TempNetLogitsProcessor choose the same tokens with
+    the taus of docs/design.md computed here from HF's logits."""
+    from safetensors.torch import load_file
+
+    from megatron_tempnet.data.indexed import DatasetError
+    from megatron_tempnet.data.tokenizer_sidecar import check_tokenizer, read_sidecar
+    from megatron_tempnet.data.tokenizers import build_tokenizer
+    from megatron_tempnet.inference.checkpoint_io import CheckpointReader
+    from tests.e2e.test_inference_tools import reference_tau
+    from tests.helpers.corpus import pydoc_documents, save_hf_tokenizer, write_jsonl
+    from tests.helpers.doc_commands import run_document
+    from tests.helpers.hf_models import add_tokenizer
+
+    tokenizer_dir = save_hf_tokenizer(str(tmp_path), vocab_size=500)
+    hf_dir = add_tokenizer(save_hf_llama(str(tmp_path), 500), tokenizer_dir)
+    corpus = write_jsonl(str(tmp_path / "corpus.jsonl"), [{"text": t} for t in pydoc_documents()])
+    lm, data, run, out = (str(tmp_path / n) for n in ("lm", "data/docs", "run", "out"))
+    paths = dict(HF_DIR=hf_dir, LM=lm, CORPUS=corpus, DATA=data, RUN=run, OUT=out)
+    layout = dict(NPROC="2", TP="2", PP="1", ITERS="3", GLOBAL_BATCH="4", MICRO_BATCH="2")
+    env = dict(ENV, **paths, **layout, SEQ="32", SPLIT="98,2,0", WORKERS="1", NEW_TOKENS="6")
+    monkeypatch.chdir(REPO)
+    programs, (python,) = run_document(WALKTHROUGH, env, str(tmp_path / "bash.log"))
+    assert [os.path.basename(str(p.args[0])) for p in programs] == [
+        "convert_hf_to_megatron.py",
+        "preprocess_data.py",
+        "pretrain_gpt.py",
+        "export_tempnet.py",
+        "convert_megatron_to_hf.py",
+        "generate.py",
+    ]
+
+    # 1. the checkpoint carries the model's tokenizer files and records that folder
+    copied = sorted(os.listdir(os.path.join(lm, "tokenizer")))
+    assert copied == ["config.json", "tokenizer.json", "tokenizer_config.json"]
+    for name in copied:
+        with open(os.path.join(lm, "tokenizer", name), "rb") as a:
+            assert a.read() == open(os.path.join(hf_dir, name), "rb").read(), name
+    assert CheckpointReader(lm).config["tokenizer"] == {
+        "tokenizer_type": "HuggingFaceTokenizer",
+        "tokenizer_model": os.path.join(lm, "tokenizer"),
+    }
+    # 2. the dataset records that tokenizer; the HF directory's (other files beside it: a
+    # different digest) is refused, as the walk-through says
+    prefix = data + "_text_document"
+    ours = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=os.path.join(lm, "tokenizer"))
+    assert read_sidecar(prefix)[0] == ours.identity
+    with pytest.raises(DatasetError, match="was tokenised with"):
+        check_tokenizer(
+            [prefix], build_tokenizer("HuggingFaceTokenizer", tokenizer_model=hf_dir).identity
+        )
+    # 3. TempNet trained on the frozen LM: the run saved TempNet only
+    assert open(os.path.join(run, "latest")).read() == "iter_0000003"
+    assert os.path.exists(os.path.join(run, "iter_0000003", "FROZEN_LM_EXCLUDED"))
+    saved = weights(run)
+    assert saved and all(n.startswith("tempnet.") for n in saved)
+    # 4. the LM back in HF's format: the original weights, tensor for tensor, and config
+    original = load_file(os.path.join(hf_dir, "model.safetensors"))
+    with open(os.path.join(out, "hf", "model.safetensors.index.json")) as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    back = {k: v for s in shards for k, v in load_file(os.path.join(out, "hf", s)).items()}
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(back[k], original[k]) for k in original)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        want = json.load(f)
+    with open(os.path.join(out, "hf", "config.json")) as f:
+        got = json.load(f)
+    keys = [
+        "vocab_size",
+        "hidden_size",
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "model_type",
+        "architectures",
+    ]
+    assert {k: got.get(k) for k in keys} == {k: want[k] for k in keys}
+    # 5. the same greedy tokens and taus from tools/generate.py and from HF generate, and the
+    # taus are TempNet's of the logits that chose each token (float64, from the exported file)
+    with open(os.path.join(out, "generations.jsonl")) as f:
+        (record,) = [json.loads(line) for line in f]
+    hf = load_hf(os.path.join(out, "hf"))
+    prompt = ours.tokenize("The meaning of life is")
+    with open(os.path.join(out, "prompts.txt")) as f:
+        assert f.read() == "The meaning of life is\n"
+    generated = record["token_ids"]
+    assert 1 <= len(generated) <= 6 and len(record["tau"]) == len(generated)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + generated])).logits[0]  # [s, V]
+    choosing = logits[len(prompt) - 1 : -1]  # the logits each new token was chosen from
+    assert generated == choosing.argmax(-1).tolist()  # greedy, on HF's logits
+    want = reference_tau(choosing, os.path.join(out, "tempnet"))
+    torch.testing.assert_close(
+        torch.tensor(record["tau"], dtype=torch.float64), want, rtol=0, atol=1e-5
+    )
+    assert all(0.001 <= t <= 2.0 for t in record["tau"])
+    # HF generate with the processor (the document's python block): the same tokens and taus
+    assert python["ids"][0].tolist() == prompt
+    n = python["tokens"].shape[1] - len(prompt)  # HF stops at the end token too
+    assert n == len(generated) and python["tokens"][0, len(prompt) :].tolist() == generated
+    torch.testing.assert_close(python["tempnet"].taus[0].double(), want, rtol=0, atol=1e-5)
 
 
 # The Hub's config.json of each family (transformers 4.4x spelling), against the --model presets
@@ -428,19 +581,47 @@ def test_exported_configs_build_the_right_transformers_classes():
 
 
 def test_conversion_errors_are_clear(hf, tmp_path):
-    bad = tool("checkpoint/convert_hf_to_megatron.py", "--hf-dir", tmp_path / "nope",
-               "--save", tmp_path / "x", check=False)  # fmt: skip
+    bad = tool(
+        "checkpoint/convert_hf_to_megatron.py",
+        "--hf-dir",
+        tmp_path / "nope",
+        "--save",
+        tmp_path / "x",
+        check=False,
+    )
     assert bad.returncode == 1 and "--hf-dir" in bad.stderr and "Traceback" not in bad.stderr
-    layers = tool("checkpoint/convert_hf_to_megatron.py", "--hf-dir", hf["llama"], "--save",
-                  tmp_path / "y", "--target-pp", 3, check=False)  # fmt: skip
+    layers = tool(
+        "checkpoint/convert_hf_to_megatron.py",
+        "--hf-dir",
+        hf["llama"],
+        "--save",
+        tmp_path / "y",
+        "--target-pp",
+        3,
+        check=False,
+    )
     assert layers.returncode == 1 and "--target-pp (3)" in layers.stderr
-    heads = tool("checkpoint/convert_hf_to_megatron.py", "--hf-dir", hf["llama"], "--save",
-                 tmp_path / "z", "--target-tp", 4, check=False)  # fmt: skip
+    with_tokenizer = tmp_path / "with-tokenizer"  # the model with a tokenizer file beside it
+    os.makedirs(with_tokenizer)
+    for name in os.listdir(hf["llama"]):
+        os.symlink(os.path.join(hf["llama"], name), with_tokenizer / name)
+    (with_tokenizer / "tokenizer_config.json").write_text("{}")
+    heads = tool(
+        "checkpoint/convert_hf_to_megatron.py",
+        "--hf-dir",
+        with_tokenizer,
+        "--save",
+        tmp_path / "z",
+        "--target-tp",
+        4,
+        check=False,
+    )
     assert heads.returncode == 1 and "--num-query-groups (2)" in heads.stderr
-    assert not os.path.exists(tmp_path / "z" / "latest")
+    assert not os.path.exists(tmp_path / "z")  # nothing written: no tokenizer/ either
     ckpt = convert(hf["llama"], tmp_path / "w")
-    again = tool("checkpoint/convert_hf_to_megatron.py", "--hf-dir", hf["llama"], "--save", ckpt,
-                 check=False)  # fmt: skip
+    again = tool(
+        "checkpoint/convert_hf_to_megatron.py", "--hf-dir", hf["llama"], "--save", ckpt, check=False
+    )
     assert again.returncode == 1 and "--overwrite" in again.stderr
     windowed = tmp_path / "windowed"
     os.makedirs(windowed)
@@ -449,8 +630,14 @@ def test_conversion_errors_are_clear(hf, tmp_path):
         config = dict(json.load(f), sliding_window=4096)
     with open(windowed / "config.json", "w") as f:
         json.dump(config, f)
-    window = tool("checkpoint/convert_hf_to_megatron.py", "--hf-dir", windowed, "--save",
-                  tmp_path / "v", check=False)  # fmt: skip
+    window = tool(
+        "checkpoint/convert_hf_to_megatron.py",
+        "--hf-dir",
+        windowed,
+        "--save",
+        tmp_path / "v",
+        check=False,
+    )
     assert window.returncode == 1 and "sliding_window=4096" in window.stderr
     assert "Traceback" not in window.stderr and not os.path.exists(tmp_path / "v" / "latest")
     planted, ran = tmp_path / "planted", tmp_path / "code-ran"
@@ -459,14 +646,26 @@ def test_conversion_errors_are_clear(hf, tmp_path):
     torch.save(
         {"model.embed_tokens.weight": PlantedPickle(str(ran))}, planted / "pytorch_model.bin"
     )
-    refused = tool("checkpoint/convert_hf_to_megatron.py", "--hf-dir", planted, "--save",
-                   tmp_path / "u", check=False)  # fmt: skip
+    refused = tool(
+        "checkpoint/convert_hf_to_megatron.py",
+        "--hf-dir",
+        planted,
+        "--save",
+        tmp_path / "u",
+        check=False,
+    )
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
     assert [line for line in refused.stderr.splitlines() if line.startswith("error:")] == [
         f"error: {planted / 'pytorch_model.bin'}: refused: loading it would run code (it calls "
         f"{open.__module__}.open); only files of tensors are loaded (torch.load weights_only=True)"
     ]
     assert not ran.exists() and not os.path.exists(tmp_path / "u" / "latest")
-    missing = tool("checkpoint/convert_megatron_to_hf.py", "--load", tmp_path / "none",
-                   "--save", tmp_path / "out", check=False)  # fmt: skip
+    missing = tool(
+        "checkpoint/convert_megatron_to_hf.py",
+        "--load",
+        tmp_path / "none",
+        "--save",
+        tmp_path / "out",
+        check=False,
+    )
     assert missing.returncode == 1 and "--load" in missing.stderr

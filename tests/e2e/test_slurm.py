@@ -14,20 +14,24 @@ import pytest
 import torch
 
 from tests.helpers.checkpoints import global_tensors, weights
-from tests.helpers.corpus import (
-    blend_corpus,
-    pydoc_documents,
-    train_sentencepiece,
-    write_jsonl,
-)
+from tests.helpers.corpus import blend_corpus, pydoc_documents, save_hf_tokenizer, write_jsonl
 from tests.helpers.entry_points import run_command
+from tests.helpers.hf_models import add_tokenizer, save_hf_gpt2
 from tests.helpers.slurm import start_slurm
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(REPO, "examples")
-TINY = {"REPO": REPO, "PYTHON": sys.executable, "MODEL": "tiny", "DEVICE": "cpu",
-        "SEQ_LENGTH": "64", "GLOBAL_BATCH": "4", "MICRO_BATCH": "2", "LOG_INTERVAL": "1",
-        "SPLIT": "98,2,0"}  # fmt: skip
+TINY = {
+    "REPO": REPO,
+    "PYTHON": sys.executable,
+    "MODEL": "tiny",
+    "DEVICE": "cpu",
+    "SEQ_LENGTH": "64",
+    "GLOBAL_BATCH": "4",
+    "MICRO_BATCH": "2",
+    "LOG_INTERVAL": "1",
+    "SPLIT": "98,2,0",
+}
 REFERENCE_ITERS = 100
 
 
@@ -38,28 +42,55 @@ def cluster():
     c.stop()
 
 
+# a transformers GPT-2 that converts to the `tiny` preset's architecture exactly
+TINY_GPT2 = dict(
+    n_positions=128,
+    n_inner=256,
+    activation_function="gelu",
+    resid_pdrop=0.0,
+    attn_pdrop=0.0,
+    embd_pdrop=0.0,
+    layer_norm_epsilon=1e-5,
+)
+
+
 @pytest.fixture(scope="module")
 def llama_lm(tmp_path_factory):
-    """SentencePiece data and a tiny LM checkpoint at TP = 2 (the 'pretrained' frozen LM)."""
+    """The frozen LM as the recipes take it: a (tiny, random) Hugging Face model with its
+    tokenizer, converted at TP = 2 by tools/checkpoint/convert_hf_to_megatron.py, and data
+    tokenized with the checkpoint's tokenizer/. TOKENIZER_MODEL is left unset: the scripts'
+    default, $LM_CHECKPOINT/tokenizer."""
     from megatron_tempnet.data.preprocess import PreprocessConfig, run_preprocess
 
     d = tmp_path_factory.mktemp("llama_lm")
-    model = train_sentencepiece(str(d), vocab_size=400)
-    docs = write_jsonl(str(d / "owt.jsonl"), [{"text": t} for t in pydoc_documents()])
-    spec = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": model}
-    prefix = run_preprocess(PreprocessConfig([docs], str(d / "owt"), spec, append_eod=True))[0]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(REPO, "pretrain_gpt.py"), "--model", "tiny", "--bf16",
-           "--tensor-model-parallel-size", "2", "--tokenizer-type", "SentencePieceTokenizer",
-           "--tokenizer-model", model, "--data-path", prefix.prefix, "--split", "98,2,0",
-           "--seq-length", "64", "--loss", "ce", "--tau-source", "fixed", "--train-iters", "3",
-           "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-interval", "0",
-           "--lr", "1e-3", "--save", str(d / "lm")]  # fmt: skip
+    tokenizer = save_hf_tokenizer(str(d), vocab_size=500)
+    hf = add_tokenizer(save_hf_gpt2(str(d), 500, name="hf-lm", **TINY_GPT2), tokenizer)
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "tools", "checkpoint", "convert_hf_to_megatron.py"),
+        "--hf-dir",
+        hf,
+        "--save",
+        str(d / "lm"),
+        "--target-tp",
+        "2",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    r = run_command(cmd, env=env, timeout=600)
+    r = run_command(cmd, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
-    return {**TINY, "LM_CHECKPOINT": str(d / "lm"), "TOKENIZER_MODEL": model,
-            "DATA_PATH": prefix.prefix, "NPROC_PER_NODE": "2", "TP": "2"}  # fmt: skip
+    docs = write_jsonl(str(d / "owt.jsonl"), [{"text": t} for t in pydoc_documents()])
+    spec = {
+        "tokenizer_type": "HuggingFaceTokenizer",
+        "tokenizer_model": str(d / "lm" / "tokenizer"),
+    }
+    prefix = run_preprocess(PreprocessConfig([docs], str(d / "owt"), spec, append_eod=True))[0]
+    return {
+        **TINY,
+        "LM_CHECKPOINT": str(d / "lm"),
+        "DATA_PATH": prefix.prefix,
+        "NPROC_PER_NODE": "2",
+        "TP": "2",
+    }
 
 
 def _clip_data(directory) -> dict:
@@ -73,20 +104,36 @@ def _clip_data(directory) -> dict:
     )
 
     paths = write_digits_dataset(str(directory / "digits"))
-    captions = [t.format(name=n, digit=i) for t in CAPTION_TEMPLATES
-                for i, n in enumerate(DIGIT_NAMES)]  # fmt: skip
+    captions = [
+        t.format(name=n, digit=i) for t in CAPTION_TEMPLATES for i, n in enumerate(DIGIT_NAMES)
+    ]
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(captions), model_prefix=str(directory / "digits_sp"),
-        vocab_size=64, model_type="word", hard_vocab_limit=False, minloglevel=2,
-    )  # fmt: skip
-    return {"TRAIN_DATA": paths["test"], "VALID_DATA": paths["test"], "LABEL_KEY": "label",
-            "TOKENIZER_TYPE": "SentencePieceTokenizer",
-            "TOKENIZER": str(directory / "digits_sp.model")}  # fmt: skip
+        sentence_iterator=iter(captions),
+        model_prefix=str(directory / "digits_sp"),
+        vocab_size=64,
+        model_type="word",
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    return {
+        "TRAIN_DATA": paths["test"],
+        "VALID_DATA": paths["test"],
+        "LABEL_KEY": "label",
+        "TOKENIZER_TYPE": "SentencePieceTokenizer",
+        "TOKENIZER": str(directory / "digits_sp.model"),
+    }
 
 
 def _submit(cluster, script: str, env: dict, out: str, tasks: int = 2, *extra: str) -> str:
-    args = [f"--ntasks-per-node={tasks}", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10",
-            f"--output={out}", *extra, os.path.join(EXAMPLES, script)]  # fmt: skip
+    args = [
+        f"--ntasks-per-node={tasks}",
+        "--gpus-per-node=0",
+        "--cpus-per-task=1",
+        "--time=10",
+        f"--output={out}",
+        *extra,
+        os.path.join(EXAMPLES, script),
+    ]
     return cluster.sbatch(args, env=dict(os.environ, **env))
 
 
@@ -132,6 +179,11 @@ def test_llama70b_recipe_runs_under_slurm(reference, llama_lm):
     assert config["training"]["freeze_lm"] and config["training"]["bf16"]
     assert config["loss"]["rho"] == 10 and config["loss"]["tau_min"] == 0.001
     assert config["parallel"]["tensor_model_parallel_size"] == 2
+    # no TOKENIZER_MODEL given: the converted checkpoint's own tokenizer
+    lm_tokenizer = os.path.join(llama_lm["LM_CHECKPOINT"], "tokenizer")
+    assert "TOKENIZER_MODEL" not in llama_lm and "TOKENIZER_MODEL" not in os.environ
+    assert config["tokenizer"]["tokenizer_type"] == "HuggingFaceTokenizer"
+    assert config["tokenizer"]["tokenizer_model"] == lm_tokenizer
     first, last = rows[:10], rows[-10:]
     assert sum(r["loss"] for r in last) < sum(
         r["loss"] for r in first
@@ -159,8 +211,12 @@ def _wait_for_iteration(metrics, iteration: int, timeout: float) -> None:
 
 @pytest.mark.parametrize("how", ["scancel --signal=USR1", "scontrol requeue"])
 def test_preempted_job_resumes_to_the_same_loss_curve(cluster, llama_lm, reference, tmp_path, how):
-    env = {**llama_lm, "RUN_DIR": str(tmp_path / "run"), "TRAIN_ITERS": str(REFERENCE_ITERS),
-           "SAVE_INTERVAL": "1000"}  # fmt: skip
+    env = {
+        **llama_lm,
+        "RUN_DIR": str(tmp_path / "run"),
+        "TRAIN_ITERS": str(REFERENCE_ITERS),
+        "SAVE_INTERVAL": "1000",
+    }
     out = tmp_path / "job.out"
     job = _submit(cluster, "run_llama70b_tempnet.sh", env, str(out), 2, "--signal=USR1@60")
     metrics = tmp_path / "run" / "metrics.jsonl"
@@ -199,8 +255,13 @@ def test_preempted_job_resumes_to_the_same_loss_curve(cluster, llama_lm, referen
 def gpt2_data(tmp_path_factory):
     corpus = blend_corpus(str(tmp_path_factory.mktemp("gpt2_data")), vocab_size=512)
     spec = corpus["spec"]
-    return {**TINY, "VOCAB_FILE": spec["vocab_file"], "MERGE_FILE": spec["merge_file"],
-            "DATA_PATH": corpus["prefix"]["A"], "NPROC_PER_NODE": "1"}  # fmt: skip
+    return {
+        **TINY,
+        "VOCAB_FILE": spec["vocab_file"],
+        "MERGE_FILE": spec["merge_file"],
+        "DATA_PATH": corpus["prefix"]["A"],
+        "NPROC_PER_NODE": "1",
+    }
 
 
 def test_every_other_script_runs_under_slurm(cluster, gpt2_data, llama_lm, tmp_path):
@@ -209,22 +270,47 @@ def test_every_other_script_runs_under_slurm(cluster, gpt2_data, llama_lm, tmp_p
     iters = {"TRAIN_ITERS": "3"}
     scratch = {**gpt2_data, **iters, "RUN_DIR": str(tmp_path / "gpt2")}
     gpt2 = _submit(cluster, "run_gpt2_tempnet.sh", scratch, str(tmp_path / "gpt2.out"), 1)
-    finetune = {**gpt2_data, **iters, "RUN_DIR": str(tmp_path / "finetune"),
-                "PRETRAINED": str(tmp_path / "gpt2" / "checkpoints")}  # fmt: skip
-    ft = _submit(cluster, "run_gpt2_finetune_tempnet.sh", finetune, str(tmp_path / "ft.out"), 1,
-                 f"--dependency=afterok:{gpt2}")  # fmt: skip
+    finetune = {
+        **gpt2_data,
+        **iters,
+        "RUN_DIR": str(tmp_path / "finetune"),
+        "PRETRAINED": str(tmp_path / "gpt2" / "checkpoints"),
+    }
+    ft = _submit(
+        cluster,
+        "run_gpt2_finetune_tempnet.sh",
+        finetune,
+        str(tmp_path / "ft.out"),
+        1,
+        f"--dependency=afterok:{gpt2}",
+    )
     llama7b = {**llama_lm, **iters, "RUN_DIR": str(tmp_path / "llama7b"), "NPROC_PER_NODE": "2"}
     l7 = _submit(cluster, "run_llama7b_tempnet.sh", llama7b, str(tmp_path / "l7.out"), 2)
-    clip = {**_clip_data(tmp_path), "RUN_DIR": str(tmp_path / "clip"), "TRAIN_ITERS": "3",
-            "WARMUP_ITERS": "1",
-            "MODEL": "clip-tiny", "EMBED_DIM": "32", "GLOBAL_BATCH": "8", "NPROC_PER_NODE": "1",
-            "DEVICE": "cpu", "REPO": REPO, "PYTHON": sys.executable,
-            "LOG_INTERVAL": "1"}  # fmt: skip
+    clip = {
+        **_clip_data(tmp_path),
+        "RUN_DIR": str(tmp_path / "clip"),
+        "TRAIN_ITERS": "3",
+        "WARMUP_ITERS": "1",
+        "MODEL": "clip-tiny",
+        "EMBED_DIM": "32",
+        "GLOBAL_BATCH": "8",
+        "NPROC_PER_NODE": "1",
+        "DEVICE": "cpu",
+        "REPO": REPO,
+        "PYTHON": sys.executable,
+        "LOG_INTERVAL": "1",
+    }
     clip_job = _submit(cluster, "run_clip_tempnet.sh", clip, str(tmp_path / "clip.out"), 1)
     ablations = {**gpt2_data, "TRAIN_ITERS": "2", "ABLATION_DIR": str(tmp_path / "abl")}
-    submit = ["bash", os.path.join(EXAMPLES, "run_ablations.sh"), "--ntasks-per-node=1",
-              "--gpus-per-node=0", "--cpus-per-task=1", "--time=10",
-              f"--output={tmp_path}/abl-%a.out"]  # fmt: skip
+    submit = [
+        "bash",
+        os.path.join(EXAMPLES, "run_ablations.sh"),
+        "--ntasks-per-node=1",
+        "--gpus-per-node=0",
+        "--cpus-per-task=1",
+        "--time=10",
+        f"--output={tmp_path}/abl-%a.out",
+    ]
     r = subprocess.run(submit, env=dict(os.environ, **ablations), capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("Submitted batch job"), r.stderr
     array = r.stdout.split()[-1]
@@ -252,11 +338,13 @@ def test_every_other_script_runs_under_slurm(cluster, gpt2_data, llama_lm, tmp_p
     )
     assert tuned[0]["ce_loss"] < fresh[0]["ce_loss"]
     expected = {  # name: (loss, tau source, stop-gradient)
-        "ce-fixed-tau": ("ce", "fixed", True), "dro-newton": ("dro", "newton", True),
+        "ce-fixed-tau": ("ce", "fixed", True),
+        "dro-newton": ("dro", "newton", True),
         "tsce-tempnet": ("ts-ce", "tempnet", True),
         "tsce-tempnet-nosg": ("ts-ce", "tempnet", False),
-        "dro-tempnet-nosg": ("dro", "tempnet", False), "dro-tempnet": ("dro", "tempnet", True),
-    }  # fmt: skip
+        "dro-tempnet-nosg": ("dro", "tempnet", False),
+        "dro-tempnet": ("dro", "tempnet", True),
+    }
     for name, (loss, source, stop_grad) in expected.items():
         config = json.loads((tmp_path / "abl" / name / "checkpoints" / "config.json").read_text())
         assert (config["loss"]["loss"], config["loss"]["tau_source"]) == (loss, source), name

@@ -1,5 +1,5 @@
 """Tiny random ``transformers`` LLaMA (grouped-query attention; LLaMA-3.1/3.2-style RoPE scaling,
-tied embeddings), Mistral and GPT-2 models, saved locally.
+tied embeddings), Mistral and GPT-2 models, saved locally, and a tiny CLIP's config.
 
 Every parameter is random, norms and biases included (transformers initialises those to ones and
 zeros, which would hide a mapping that mixes them up).
@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 
 SHAPE = dict(hidden=64, heads=4, groups=2, layers=2, positions=64)
+_TOKENS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
 # LLaMA-3.1-style scaling on the tiny shape (head_dim 16, base 500000, wavelengths 6.3, 32, 167,
 # ... positions): an original context of 16 positions with these factors keeps the fastest
@@ -27,14 +29,7 @@ LLAMA31_ROPE = dict(
     original_max_position_embeddings=16,
 )
 # LLaMA-3.2-style: Meta's factors, factor 32, the same short original context
-LLAMA32_ROPE = dict(
-    rope_type="llama3",
-    rope_theta=500000.0,
-    factor=32.0,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-    original_max_position_embeddings=16,
-)
+LLAMA32_ROPE = dict(LLAMA31_ROPE, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0)
 
 
 def save_hf_llama(
@@ -75,23 +70,61 @@ def to_hub_rope_spelling(path: str) -> dict:
 
 def _llama_shape(vocab_size: int) -> dict:
     return dict(
-        vocab_size=vocab_size, hidden_size=SHAPE["hidden"], intermediate_size=96,
-        num_hidden_layers=SHAPE["layers"], num_attention_heads=SHAPE["heads"],
-        num_key_value_heads=SHAPE["groups"], max_position_embeddings=SHAPE["positions"],
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
-        pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=SHAPE["hidden"],
+        intermediate_size=96,
+        num_hidden_layers=SHAPE["layers"],
+        num_attention_heads=SHAPE["heads"],
+        num_key_value_heads=SHAPE["groups"],
+        max_position_embeddings=SHAPE["positions"],
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        **_TOKENS,
+    )
 
 
-def save_hf_gpt2(directory: str, vocab_size: int, seed: int = 0) -> str:
+def save_hf_gpt2(
+    directory: str, vocab_size: int, seed: int = 0, name: str = "hf-gpt2", **overrides
+) -> str:
+    """A GPT-2; ``overrides`` replace ``GPT2Config`` arguments."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(
-        vocab_size=vocab_size, n_positions=SHAPE["positions"], n_embd=SHAPE["hidden"],
-        n_layer=SHAPE["layers"], n_head=SHAPE["heads"], activation_function="gelu_new",
-        bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
-    return _save(GPT2LMHeadModel, config, os.path.join(directory, "hf-gpt2"), seed)
+    shape = dict(
+        vocab_size=vocab_size,
+        n_positions=SHAPE["positions"],
+        n_embd=SHAPE["hidden"],
+        n_layer=SHAPE["layers"],
+        n_head=SHAPE["heads"],
+        activation_function="gelu_new",
+        **_TOKENS,
+    )
+    config = GPT2Config(**{**shape, **overrides})
+    return _save(GPT2LMHeadModel, config, os.path.join(directory, name), seed)
+
+
+def hf_clip_config(
+    width: int, heads: int, vocab_size: int, context: int, eos: int, channels: int, **kw
+):
+    """A tiny ``transformers`` ``CLIPConfig``: two QuickGELU layers of ``width`` (``heads``
+    heads, FFN 4 x ``width``) per tower, 16 x 16 images of ``channels`` channels in 4 x 4
+    patches, ``context`` text positions ending at the ``eos`` id (begin 0, pad 1), projection
+    32; ``kw``: more ``CLIPConfig`` arguments."""
+    from transformers import CLIPConfig
+
+    tower = dict(
+        hidden_size=width,
+        intermediate_size=4 * width,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        hidden_act="quick_gelu",
+    )
+    text = dict(tower, vocab_size=vocab_size, max_position_embeddings=context, eos_token_id=eos)
+    return CLIPConfig(
+        text_config=dict(text, bos_token_id=0, pad_token_id=1),
+        vision_config=dict(tower, image_size=16, patch_size=4, num_channels=channels),
+        projection_dim=32,
+        **kw,
+    )
 
 
 def _save(cls, config, path: str, seed: int) -> str:
@@ -103,6 +136,14 @@ def _save(cls, config, path: str, seed: int) -> str:
                 p.uniform_(-0.5, 0.5) if name.endswith("bias") else p.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return path
+
+
+def add_tokenizer(model_dir: str, tokenizer_dir: str) -> str:
+    """Copy the files of an HF tokenizer directory (``corpus.save_hf_tokenizer``) into a saved
+    model's directory, as a Hub model ships them; returns ``model_dir``."""
+    for name in os.listdir(tokenizer_dir):
+        shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(model_dir, name))
+    return model_dir
 
 
 def load_hf(path: str, **config):

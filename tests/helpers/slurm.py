@@ -23,8 +23,17 @@ import pytest
 PACKAGES = ("slurm-wlm", "munge")
 BINARIES = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged", "/usr/bin/sbatch")
 CONF_DIR = "/etc/slurm"
-FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-            "PREEMPTED", "BOOT_FAIL", "DEADLINE"}  # fmt: skip
+FINISHED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 def _run(cmd: list[str], timeout: float = 60, check: bool = True, **kw):
@@ -56,19 +65,38 @@ def _memory_mb() -> int:
 
 
 def _slurm_conf(host: str, cpus: int) -> str:
-    return "\n".join([
-        "ClusterName=testcluster", f"SlurmctldHost={host}", "AuthType=auth/munge",
-        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "ReturnToService=2",
-        "SlurmctldPidFile=/run/slurmctld.pid", "SlurmdPidFile=/run/slurmd.pid",
-        "SlurmdSpoolDir=/var/spool/slurmd", "StateSaveLocation=/var/spool/slurmctld",
-        "SlurmUser=root", "SchedulerType=sched/backfill", "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_Core", "JobRequeue=1", "MpiDefault=none", "KillWait=30",
-        "SchedulerParameters=defer_batch", "SlurmctldLogFile=/var/log/slurm/slurmctld.log",
-        "SlurmdLogFile=/var/log/slurm/slurmd.log", "SlurmctldDebug=info", "SlurmdDebug=info",
-        f"NodeName={host} CPUs={cpus} RealMemory={_memory_mb()} State=UNKNOWN",
-        f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP "
-        "OverSubscribe=NO",
-    ]) + "\n"  # fmt: skip
+    return (
+        "\n".join(
+            [
+                "ClusterName=testcluster",
+                f"SlurmctldHost={host}",
+                "AuthType=auth/munge",
+                "ProctrackType=proctrack/linuxproc",
+                "TaskPlugin=task/none",
+                "ReturnToService=2",
+                "SlurmctldPidFile=/run/slurmctld.pid",
+                "SlurmdPidFile=/run/slurmd.pid",
+                "SlurmdSpoolDir=/var/spool/slurmd",
+                "StateSaveLocation=/var/spool/slurmctld",
+                "SlurmUser=root",
+                "SchedulerType=sched/backfill",
+                "SelectType=select/cons_tres",
+                "SelectTypeParameters=CR_Core",
+                "JobRequeue=1",
+                "MpiDefault=none",
+                "KillWait=30",
+                "SchedulerParameters=defer_batch",
+                "SlurmctldLogFile=/var/log/slurm/slurmctld.log",
+                "SlurmdLogFile=/var/log/slurm/slurmd.log",
+                "SlurmctldDebug=info",
+                "SlurmdDebug=info",
+                f"NodeName={host} CPUs={cpus} RealMemory={_memory_mb()} State=UNKNOWN",
+                f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP "
+                "OverSubscribe=NO",
+            ]
+        )
+        + "\n"
+    )
 
 
 def _start_munge() -> None:
@@ -78,8 +106,17 @@ def _start_munge() -> None:
     if not os.path.exists(key):
         with open(key, "wb") as f:
             f.write(os.urandom(1024))
-    _run(["chown", "-R", "munge:munge", "/etc/munge", "/run/munge", "/var/lib/munge",
-          "/var/log/munge"])  # fmt: skip
+    _run(
+        [
+            "chown",
+            "-R",
+            "munge:munge",
+            "/etc/munge",
+            "/run/munge",
+            "/var/lib/munge",
+            "/var/log/munge",
+        ]
+    )
     os.chmod(key, 0o400)
     if _run(["pgrep", "-x", "munged"], check=False).returncode != 0:
         _run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"])

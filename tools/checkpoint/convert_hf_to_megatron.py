@@ -11,12 +11,21 @@ setting the model here does not compute (another RoPE type, a sliding window, a 
 other than hidden / heads, an activation other than SiLU, ...) stops the tool with its name
 and value before anything is written.
 
+The HF directory's tokenizer files (``tokenizer.json``, ``tokenizer.model``,
+``tokenizer_config.json``, ``special_tokens_map.json`` and the others ``AutoTokenizer`` reads,
+with ``config.json``, whose model type ``AutoTokenizer`` consults) are copied into
+``DIR/tokenizer/`` once the model has passed its checks. That folder is recorded as the
+checkpoint's tokenizer (``--tokenizer-type HuggingFaceTokenizer``): preprocess and train with
+``--tokenizer-model DIR/tokenizer``; ``tools/generate.py --load DIR`` and ``tools/evaluate.py
+--load DIR`` need no tokenizer flags.
+
 The result loads with ``pretrain_gpt.py --load DIR`` (weights only: the run starts at iteration
-0), ``--load DIR --finetune`` or ``--pretrained-checkpoint DIR``, with the same TP and PP and the
-model flags this tool prints (also in ``DIR/model_flags.txt``). Tensors are read lazily and
-written one output file at a time: memory holds one TP rank's part of the model (PP = 1) or one
-layer (PP > 1), never the whole model twice. The vocabulary is padded for the target TP
-(``--make-vocab-size-divisible-by``); padded rows are zero.
+0), ``--load DIR --finetune`` or ``--pretrained-checkpoint DIR``, with the model flags this tool
+prints (also in ``DIR/model_flags.txt``), at any TP and PP: ``--target-tp`` and ``--target-pp``
+only check that the model divides for the layout you mean to train with. Tensors are read
+lazily and written one output file at a time: memory holds one TP rank's part of the model
+(PP = 1) or one layer (PP > 1), never the whole model twice. The vocabulary is padded for the
+target TP (``--make-vocab-size-divisible-by``); padded rows are zero.
 
 ``--gguf FILE`` (needs ``pip install -e '.[gguf]'``) reads a GGUF file whose
 ``general.architecture`` is ``llama`` (LLaMA, Mistral, SmolLM and others llama.cpp writes under
@@ -34,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 import torch
@@ -46,10 +56,25 @@ from megatron_tempnet.trainer.checkpoint_format import CheckpointError, latest_t
 from megatron_tempnet.utils.cli import run_tool
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+"""The files of an HF directory that ``AutoTokenizer`` may read for the tokenizer itself."""
+_TOKENIZER_CONTEXT = ("config.json",)
+"""Copied with them: ``AutoTokenizer`` reads the model type from it to choose the class."""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--hf-dir", help="a local transformers model directory (or --gguf)")
     p.add_argument("--gguf", help="a llama.cpp GGUF file of a LLaMA model (or --hf-dir)")
@@ -59,7 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), help="cast the weights (default: keep)")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint in --save")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,10 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     model.validate(args.tp)  # before the tokenizer is written
     read = from_hf(model, weights)
     cast = DTYPES.get(args.dtype)
+    out = os.path.join(args.save, "tokenizer")
     if args.hf_dir:
-        tokenizer = _tokenizer(args.hf_dir)
+        tokenizer = _saved_tokenizer(copy_tokenizer(args.hf_dir, out))
     else:
-        tokenizer = _saved_tokenizer(weights.save_tokenizer(os.path.join(args.save, "tokenizer")))
+        tokenizer = _saved_tokenizer(weights.save_tokenizer(out))
     path = write_checkpoint(
         args.save,
         model,
@@ -107,11 +137,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _tokenizer(hf_dir: str) -> dict | None:
-    """The HF directory's own tokenizer, as --tokenizer-type HuggingFaceTokenizer."""
-    if any(os.path.isfile(os.path.join(hf_dir, f)) for f in _TOKENIZER_FILES):
-        return _saved_tokenizer(hf_dir)
-    return None
+def copy_tokenizer(hf_dir: str, out_dir: str) -> str | None:
+    """Copy the tokenizer files ``hf_dir`` has into ``out_dir`` (emptied first: a file of an
+    earlier conversion would change the tokenizer); returns ``out_dir``, or None when
+    ``hf_dir`` holds no tokenizer (nothing is written then)."""
+    present = [f for f in _TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, f))]
+    if not present:
+        return None
+    present += [f for f in _TOKENIZER_CONTEXT if os.path.isfile(os.path.join(hf_dir, f))]
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.makedirs(out_dir)
+    for name in present:
+        shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out_dir, name))
+    return out_dir
 
 
 def _saved_tokenizer(directory: str | None) -> dict | None:
