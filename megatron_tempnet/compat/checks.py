@@ -103,7 +103,8 @@ def check_deepspeed() -> None:
     owner = "deepspeed.PipelineEngine"
     _require(PipelineEngine, "_INSTRUCTION_MAP", owner=owner)
     _require(PipelineEngine, "_exec_backward_pass", ("buffer_id",), owner=owner)
-    for instruction in ("BackwardPass", "SendGrad", "RecvGrad"):
+    _require_assignment(PipelineEngine, "__init__", "using_bf16_optimizer")
+    for instruction in ("BackwardPass", "SendGrad", "RecvGrad", "ReduceTiedGrads"):
         _require(schedule, instruction)
         if getattr(schedule, instruction) not in PipelineEngine._INSTRUCTION_MAP:
             raise UpstreamError(

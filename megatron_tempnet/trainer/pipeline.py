@@ -8,7 +8,9 @@
   (``compat.last_stage_backward_engine``).
 - **Matching parameter groups.** DeepSpeed reduces the gradient norm over all stages once per
   optimizer group, so every stage needs every group: ``group_placeholder`` gives a stage that has
-  no parameter of a group a zero one that never gets a gradient.
+  no parameter of a group a zero one. It gets no gradient, except on a frozen stage under
+  DeepSpeed's bf16 optimizer, where a zero one lets that stage take part in the norm and the
+  step (``compat.last_stage_backward_engine``).
 """
 
 from __future__ import annotations

@@ -41,20 +41,34 @@ def _args(corpus, tmp, **flags) -> list[str]:
     spec = corpus["spec"]
     base = {
         "model": "tiny",
-        "data-path": corpus["prefix"]["A"], "split": "90,8,2", "seq-length": 32,
-        "tokenizer-type": "GPT2BPETokenizer", "vocab-file": spec["vocab_file"],
-        "merge-file": spec["merge_file"], "train-iters": 10, "micro-batch-size": 2,
-        "global-batch-size": 8, "log-interval": 1, "eval-interval": 5, "eval-iters": 1,
-        "tempnet-hidden-size": 32, "tempnet-proj-size": 32, "tempnet-rho": 4, "lr": 1e-3,
-        "data-cache-path": str(tmp / "cache"), "seed": 5,
+        "data-path": corpus["prefix"]["A"],
+        "split": "90,8,2",
+        "seq-length": 32,
+        "tokenizer-type": "GPT2BPETokenizer",
+        "vocab-file": spec["vocab_file"],
+        "merge-file": spec["merge_file"],
+        "train-iters": 10,
+        "micro-batch-size": 2,
+        "global-batch-size": 8,
+        "log-interval": 1,
+        "eval-interval": 5,
+        "eval-iters": 1,
+        "tempnet-hidden-size": 32,
+        "tempnet-proj-size": 32,
+        "tempnet-rho": 4,
+        "lr": 1e-3,
+        "data-cache-path": str(tmp / "cache"),
+        "seed": 5,
         # the paper's Table 5 schedule and AdamW (Megatron-LM's defaults are linear, 0.999, 0.01)
-        "lr-decay-style": "cosine", "lr-warmup-fraction": 0.01, "adam-beta2": 0.95,
+        "lr-decay-style": "cosine",
+        "lr-warmup-fraction": 0.01,
+        "adam-beta2": 0.95,
         "weight-decay": 0.1,
         "output-stage-chunk-size": OUTPUT_CHUNK,
         # read in the training process: two loader workers per rank (the default) triple these
         # tiny runs' wall time on 2 cores; test_loader_workers_give_the_same_run runs them
         "num-workers": 0,
-    }  # fmt: skip
+    }
     return cli_flags(base, **flags)
 
 
@@ -106,9 +120,13 @@ LAYOUTS = {  # name: (processes, flags)
 # megatron-core's unfused attention without the bias fusions, the logits formed whole: every
 # layout below runs the default fused paths (attention, bias fusions, the output stage in
 # chunks of OUTPUT_CHUNK tokens) and must reproduce this curve
-UNFUSED = {"attention-backend": "unfused", "no-bias-gelu-fusion": True,
-           "no-bias-swiglu-fusion": True, "no-bias-dropout-fusion": True,
-           "no-fused-output-stage": True}  # fmt: skip
+UNFUSED = {
+    "attention-backend": "unfused",
+    "no-bias-gelu-fusion": True,
+    "no-bias-swiglu-fusion": True,
+    "no-bias-dropout-fusion": True,
+    "no-fused-output-stage": True,
+}
 
 
 @pytest.fixture(scope="module")
@@ -138,9 +156,15 @@ def test_a_steady_iteration_waits_for_the_device_at_most_once(corpus, tmp_path):
     synchronisation on every rank: the statistics, gradient norm and stop flags come back in one
     copy (``trainer.stats.read_step``)."""
     report = tmp_path / "syncs"
-    flags = {"tensor-model-parallel-size": 2, "pipeline-model-parallel-size": 2,
-             "train-iters": 8, "log-interval": 4, "eval-interval": 4, "save": tmp_path / "ckpt",
-             "save-interval": 4}  # fmt: skip
+    flags = {
+        "tensor-model-parallel-size": 2,
+        "pipeline-model-parallel-size": 2,
+        "train-iters": 8,
+        "log-interval": 4,
+        "eval-interval": 4,
+        "save": tmp_path / "ckpt",
+        "save-interval": 4,
+    }
     _pretrain(4, _args(corpus, tmp_path, **flags), device_rule=str(report))
     device_rules.assert_steady_syncs(str(report), [2, 3, 5, 6, 7], ranks=4)
 
@@ -151,9 +175,15 @@ def test_loader_workers_wandb_and_a_yaml_cfg_give_the_same_run(corpus, reference
     Weights & Biases (offline) with what the metrics file gets, and the config.yaml it saves,
     given back as --yaml-cfg (with a shorter --train-iters: the command line wins), reproduces
     its first losses exactly."""
-    flags = {**UNFUSED, "num-workers": None, "metrics-file": tmp_path / "m.jsonl",  # the default
-             "save": tmp_path / "ckpt", "wandb-project": "qs", "wandb-exp-name": "workers",
-             "wandb-save-dir": tmp_path / "wb"}  # fmt: skip
+    flags = {
+        **UNFUSED,
+        "num-workers": None,  # the default
+        "metrics-file": tmp_path / "m.jsonl",
+        "save": tmp_path / "ckpt",
+        "wandb-project": "qs",
+        "wandb-exp-name": "workers",
+        "wandb-save-dir": tmp_path / "wb",
+    }
     _pretrain(1, _args(corpus, tmp_path, **flags), env={**os.environ, "WANDB_MODE": "offline"})
     got = _curve(tmp_path / "m.jsonl")
     timing = ("tokens_per_sec", "memory_mb")
@@ -181,21 +211,44 @@ def test_loader_workers_wandb_and_a_yaml_cfg_give_the_same_run(corpus, reference
     assert len(run["histograms"]["tau/histogram"]) == 10
 
     again = tmp_path / "again.jsonl"
-    _pretrain(1, [
-        "--yaml-cfg", str(tmp_path / "ckpt" / "config.yaml"), "--train-iters", "3",
-        "--metrics-file", str(again), "--save", str(tmp_path / "again"),
-        "--wandb-save-dir", str(tmp_path / "wb2")],
-        env={**os.environ, "WANDB_MODE": "offline"})  # fmt: skip
+    _pretrain(
+        1,
+        [
+            "--yaml-cfg",
+            str(tmp_path / "ckpt" / "config.yaml"),
+            "--train-iters",
+            "3",
+            "--metrics-file",
+            str(again),
+            "--save",
+            str(tmp_path / "again"),
+            "--wandb-save-dir",
+            str(tmp_path / "wb2"),
+        ],
+        env={**os.environ, "WANDB_MODE": "offline"},
+    )
     assert [r["loss"] for r in _curve(again)] == [r["loss"] for r in got[:3]]
 
 
 def test_freeze_lm_trains_tempnet_only(corpus, tmp_path):
-    flags = {"freeze-lm": True, "save": tmp_path / "ckpt", "train-iters": 6, "eval-interval": 0,
-             "metrics-file": tmp_path / "m.jsonl", "zero-stage": 1}  # fmt: skip
+    flags = {
+        "freeze-lm": True,
+        "save": tmp_path / "ckpt",
+        "train-iters": 6,
+        "eval-interval": 0,
+        "metrics-file": tmp_path / "m.jsonl",
+        "zero-stage": 1,
+    }
     _pretrain(2, _args(corpus, tmp_path, **flags))
     initial = tmp_path / "initial"
-    _pretrain(2, _args(corpus, tmp_path, **{**flags, "train-iters": 1, "lr": 0.0,
-                                            "save": initial, "metrics-file": None}))  # fmt: skip
+    _pretrain(
+        2,
+        _args(
+            corpus,
+            tmp_path,
+            **{**flags, "train-iters": 1, "lr": 0.0, "save": initial, "metrics-file": None},
+        ),
+    )
     trained, start = weights(tmp_path / "ckpt"), weights(initial)
     lm_keys = [k for k in trained if k.startswith("lm.")]
     assert lm_keys and all(torch.equal(trained[k], start[k]) for k in lm_keys)
@@ -233,8 +286,14 @@ COMBINATIONS = [
 
 @pytest.mark.parametrize("loss,source,extra", COMBINATIONS)
 def test_every_loss_and_tau_source_trains(corpus, tmp_path, loss, source, extra):
-    flags = {"loss": loss, "tau-source": source, "train-iters": 3, "eval-interval": 3,
-             "metrics-file": tmp_path / "m.jsonl", **extra}  # fmt: skip
+    flags = {
+        "loss": loss,
+        "tau-source": source,
+        "train-iters": 3,
+        "eval-interval": 3,
+        "metrics-file": tmp_path / "m.jsonl",
+        **extra,
+    }
     _pretrain(1, _args(corpus, tmp_path, **flags))
     rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
     train = [r for r in rows if "loss" in r]
@@ -250,8 +309,10 @@ def test_every_loss_and_tau_source_trains(corpus, tmp_path, loss, source, extra)
 @pytest.mark.parametrize(
     "flags,message",
     [
-        ({"zero-stage": 2, "pipeline-model-parallel-size": 2},
-         "--zero-stage 2 cannot shard gradients across pipeline stages"),
+        (
+            {"zero-stage": 2, "pipeline-model-parallel-size": 2},
+            "--zero-stage 2 cannot shard gradients across pipeline stages",
+        ),
         ({"num-attention-heads": 3}, "--hidden-size (64) must be divisible by"),
         ({"global-batch-size": 7}, "--global-batch-size (7) must be a multiple"),
         ({"tempnet-tau-min": 0.5, "tempnet-tau-max": 0.3}, "--tempnet-tau-min (0.5)"),
@@ -261,11 +322,13 @@ def test_every_loss_and_tau_source_trains(corpus, tmp_path, loss, source, extra)
         ({"exit-duration-in-mins": 5}, "--exit-duration-in-mins saves a checkpoint"),
         ({"exit-duration-in-mins": -1, "save": "s"}, "--exit-duration-in-mins (-1) must be >= 0"),
         ({"pretrained-checkpoint": "p"}, "--pretrained-checkpoint p is used only while --load"),
-        ({"pretrained-checkpoint": "p", "load": "r", "finetune": True},
-         "--pretrained-checkpoint and --finetune both choose"),
+        (
+            {"pretrained-checkpoint": "p", "load": "r", "finetune": True},
+            "--pretrained-checkpoint and --finetune both choose",
+        ),
         ({"yaml-cfg": "missing.yaml"}, "--yaml-cfg missing.yaml: No such file or directory"),
     ],
-)  # fmt: skip
+)
 def test_invalid_flags_fail_before_building_anything(corpus, tmp_path, flags, message):
     r = _pretrain(0, _args(corpus, tmp_path, **flags), check=False)
     assert r.returncode != 0
@@ -287,8 +350,9 @@ def test_recompute_bf16_and_a_deepspeed_json(corpus, reference_curve, tmp_path):
     ds_json = tmp_path / "ds.json"
     ds_json.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e5}}))
     assert curve("ds.jsonl", **{"deepspeed-config": ds_json}) == pytest.approx(reference, rel=1e-5)
-    r = _pretrain(0, _args(corpus, tmp_path, **{"deepspeed-config": tmp_path / "no.json"}),
-                  check=False)  # fmt: skip
+    r = _pretrain(
+        0, _args(corpus, tmp_path, **{"deepspeed-config": tmp_path / "no.json"}), check=False
+    )
     assert r.returncode == 1 and "--deepspeed-config" in r.stderr and "no.json" in r.stderr
 
 
@@ -297,8 +361,13 @@ def test_bf16_with_zero_keeps_tempnet_float32(corpus, reference_curve, tmp_path,
     """--bf16 at DP = 2: ZeRO-2 steps the 16-bit LM and the float32 TempNet in separate groups
     and checkpoints TempNet in float32; ZeRO-3 (one dtype) stores TempNet in 16 bits and still
     computes tau in float32. Both track the float32 curve."""
-    flags = {"zero-stage": zero, "bf16": True, "save": tmp_path / "ckpt", "eval-interval": 0,
-             "metrics-file": tmp_path / "m.jsonl"}  # fmt: skip
+    flags = {
+        "zero-stage": zero,
+        "bf16": True,
+        "save": tmp_path / "ckpt",
+        "eval-interval": 0,
+        "metrics-file": tmp_path / "m.jsonl",
+    }
     _pretrain(2, _args(corpus, tmp_path, **flags))
     curve = _curve(tmp_path / "m.jsonl")
     assert [r["loss"] for r in curve] == pytest.approx(
@@ -341,11 +410,19 @@ def test_keep_last_finetune_and_tensorboard(corpus, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     save = tmp_path / "ckpt"
-    flags = {"train-iters": 6, "save": save, "save-interval": 2, "keep-last": 2,
-             "eval-interval": 3, "tensorboard-dir": tmp_path / "tb"}  # fmt: skip
+    flags = {
+        "train-iters": 6,
+        "save": save,
+        "save-interval": 2,
+        "keep-last": 2,
+        "eval-interval": 3,
+        "tensorboard-dir": tmp_path / "tb",
+    }
     _pretrain(1, _args(corpus, tmp_path, **flags))
     assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == [
-        "iter_0000004", "iter_0000006"]  # fmt: skip
+        "iter_0000004",
+        "iter_0000006",
+    ]
     assert json.loads((save / "config.json").read_text())["training"]["train_iters"] == 6
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
@@ -368,12 +445,19 @@ def test_keep_last_finetune_and_tensorboard(corpus, tmp_path):
     assert [e.step for e in events.Scalars("loss/loss")] == list(range(1, 7))
     # --finetune: the weights of iteration 6, a fresh start for everything else
     tuned = tmp_path / "tuned.jsonl"
-    finetune = {"train-iters": 2, "load": save, "finetune": True, "metrics-file": tuned,
-                "eval-interval": 0}  # fmt: skip
+    finetune = {
+        "train-iters": 2,
+        "load": save,
+        "finetune": True,
+        "metrics-file": tuned,
+        "eval-interval": 0,
+    }
     _pretrain(1, _args(corpus, tmp_path, **finetune))
     scratch = tmp_path / "scratch.jsonl"
-    _pretrain(1, _args(corpus, tmp_path, **{"train-iters": 2, "metrics-file": scratch,
-                                            "eval-interval": 0}))  # fmt: skip
+    _pretrain(
+        1,
+        _args(corpus, tmp_path, **{"train-iters": 2, "metrics-file": scratch, "eval-interval": 0}),
+    )
     tuned_rows, scratch_rows = _curve(tuned), _curve(scratch)
     assert [r["iteration"] for r in tuned_rows] == [1, 2]
     assert tuned_rows[0]["consumed_samples"] == scratch_rows[0]["consumed_samples"] == 8
@@ -383,9 +467,22 @@ def test_keep_last_finetune_and_tensorboard(corpus, tmp_path):
 def test_a_prebuilt_data_cache_is_what_training_loads(corpus, tmp_path):
     cache = tmp_path / "cache"
     spec = corpus["spec"]
-    data = ["--data-path", corpus["prefix"]["A"], "--split", "90,8,2", "--seq-length", "32",
-            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", spec["vocab_file"],
-            "--merge-file", spec["merge_file"], "--data-cache-path", str(cache)]  # fmt: skip
+    data = [
+        "--data-path",
+        corpus["prefix"]["A"],
+        "--split",
+        "90,8,2",
+        "--seq-length",
+        "32",
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        spec["vocab_file"],
+        "--merge-file",
+        spec["merge_file"],
+        "--data-cache-path",
+        str(cache),
+    ]
     batch = ["--train-iters", "10", "--global-batch-size", "8", "--eval-interval", "5"]
     tool = os.path.join(REPO, "tools", "build_data_cache.py")
     r = run_command([sys.executable, tool, *data, *batch])
@@ -401,16 +498,35 @@ def test_setting_iii_tempnet_on_an_lm_only_checkpoint_in_float32_and_bf16(corpus
     --bf16 TempNet stays a float32 island: its tau per token is the float32 run's within 1%, it
     varies from token to token, and its checkpointed parameters are float32."""
     lm_ckpt = tmp_path / "lm"
-    lm_only = {"loss": "ce", "tau-source": "fixed", "save": lm_ckpt, "train-iters": 4,
-               "eval-interval": 0}  # fmt: skip
+    lm_only = {
+        "loss": "ce",
+        "tau-source": "fixed",
+        "save": lm_ckpt,
+        "train-iters": 4,
+        "eval-interval": 0,
+    }
     _pretrain(1, _args(corpus, tmp_path, **lm_only))
-    flags = {"freeze-lm": True, "load": lm_ckpt, "finetune": True, "train-iters": 3,
-             "eval-interval": 0}  # fmt: skip
+    flags = {
+        "freeze-lm": True,
+        "load": lm_ckpt,
+        "finetune": True,
+        "train-iters": 3,
+        "eval-interval": 0,
+    }
     runs = {}
     for precision in ("fp32", "bf16"):
         runs[precision] = out = tmp_path / precision
-        _pretrain(1, _args(corpus, tmp_path, **flags, save=out, bf16=precision == "bf16",
-                           **{"metrics-file": out / "m.jsonl"}))  # fmt: skip
+        _pretrain(
+            1,
+            _args(
+                corpus,
+                tmp_path,
+                **flags,
+                save=out,
+                bf16=precision == "bf16",
+                **{"metrics-file": out / "m.jsonl"},
+            ),
+        )
     before, after = (
         _saved_weights(lm_ckpt, "iter_0000004"),
         _saved_weights(runs["fp32"], "iter_0000003"),
@@ -431,23 +547,31 @@ def test_setting_iii_tempnet_on_an_lm_only_checkpoint_in_float32_and_bf16(corpus
     texts.write_text("".join(json.dumps({"text": t[:200]}) + "\n" for t in pydoc_documents(3)))
     tau = {}
     for p, out in runs.items():
-        args = cli_flags({"load": out, "jsonl": texts, "per-token-output": out / "t.jsonl",
-                          "bf16": p == "bf16"})  # fmt: skip
+        args = cli_flags(
+            {"load": out, "jsonl": texts, "per-token-output": out / "t.jsonl", "bf16": p == "bf16"}
+        )
         r = run_program("tools/evaluate.py", args)
         assert r.returncode == 0, r.stderr[-3000:]
         rows = [json.loads(x) for x in (out / "t.jsonl").read_text().splitlines()]
         tau[p] = torch.tensor([t for row in rows for t in row["tau"]], dtype=torch.float64)
     assert tau["bf16"].numel() > 50 and len(set(tau["bf16"].tolist())) > 0.9 * tau["bf16"].numel()
     torch.testing.assert_close(tau["bf16"], tau["fp32"], rtol=1e-2, atol=0)
-    r = _pretrain(0, _args(corpus, tmp_path, **{**flags, "load": tmp_path / "nowhere"}),
-                  check=False)  # fmt: skip
+    r = _pretrain(
+        0, _args(corpus, tmp_path, **{**flags, "load": tmp_path / "nowhere"}), check=False
+    )
     assert r.returncode == 1
     assert f"error: --finetune --load {tmp_path / 'nowhere'}: no such directory" in r.stderr
 
 
-LLAMA = {"normalization": "RMSNorm", "swiglu": True, "untie-embeddings-and-output-weights": True,
-         "position-embedding-type": "rope", "disable-bias-linear": True, "num-layers": 4,
-         "eval-interval": 0}  # fmt: skip
+LLAMA = {
+    "normalization": "RMSNorm",
+    "swiglu": True,
+    "untie-embeddings-and-output-weights": True,
+    "position-embedding-type": "rope",
+    "disable-bias-linear": True,
+    "num-layers": 4,
+    "eval-interval": 0,
+}
 
 
 def _pipeline_tempnet(save_dir) -> dict:
@@ -460,8 +584,9 @@ def test_pipeline_llama_matches_one_process_and_resumes_exactly(corpus, tmp_path
     _pretrain(1, _args(corpus, tmp_path, **LLAMA, **{"metrics-file": one}))
     pp = {**LLAMA, "pipeline-model-parallel-size": 2}
     straight = tmp_path / "straight"
-    _pretrain(2, _args(corpus, tmp_path, **pp, save=straight,
-                       **{"metrics-file": straight / "m.jsonl"}))  # fmt: skip
+    _pretrain(
+        2, _args(corpus, tmp_path, **pp, save=straight, **{"metrics-file": straight / "m.jsonl"})
+    )
     for got, ref in zip(_curve(straight / "m.jsonl"), _curve(one), strict=True):
         for key in ("loss", "ce_loss", "tau_mean", "grad_norm"):
             assert got[key] == pytest.approx(ref[key], rel=1e-5), (got["iteration"], key)
@@ -476,8 +601,12 @@ def test_pipeline_llama_matches_one_process_and_resumes_exactly(corpus, tmp_path
             **{"exit-interval": 5, "metrics-file": split / "m.jsonl"},
         ),
     )
-    _pretrain(2, _args(corpus, tmp_path, **pp, save=split, load=split,
-                       **{"metrics-file": split / "m.jsonl"}))  # fmt: skip
+    _pretrain(
+        2,
+        _args(
+            corpus, tmp_path, **pp, save=split, load=split, **{"metrics-file": split / "m.jsonl"}
+        ),
+    )
     resumed, reference = _curve(split / "m.jsonl"), _curve(straight / "m.jsonl")
     assert [r["iteration"] for r in resumed] == list(range(1, 11))
     for got, ref in zip(resumed, reference):
@@ -489,17 +618,44 @@ def test_pipeline_llama_matches_one_process_and_resumes_exactly(corpus, tmp_path
 def test_pipeline_finetune_starts_tempnet_on_an_lm_only_checkpoint(corpus, tmp_path):
     pp = {"pipeline-model-parallel-size": 2, "eval-interval": 0}
     lm_ckpt = tmp_path / "lm"
-    _pretrain(2, _args(corpus, tmp_path, **pp, loss="ce", **{"tau-source": "fixed"},
-                       save=lm_ckpt, **{"train-iters": 6}))  # fmt: skip
+    _pretrain(
+        2,
+        _args(
+            corpus,
+            tmp_path,
+            **pp,
+            loss="ce",
+            **{"tau-source": "fixed"},
+            save=lm_ckpt,
+            **{"train-iters": 6},
+        ),
+    )
     tuned, scratch = tmp_path / "tuned.jsonl", tmp_path / "scratch.jsonl"
-    r = _pretrain(2, _args(corpus, tmp_path, **pp, load=lm_ckpt, finetune=True,
-                           **{"train-iters": 2, "metrics-file": tuned}))  # fmt: skip
+    r = _pretrain(
+        2,
+        _args(
+            corpus,
+            tmp_path,
+            **pp,
+            load=lm_ckpt,
+            finetune=True,
+            **{"train-iters": 2, "metrics-file": tuned},
+        ),
+    )
     assert "TempNet starts from its initialisation" in r.stdout + r.stderr
     _pretrain(2, _args(corpus, tmp_path, **pp, **{"train-iters": 2, "metrics-file": scratch}))
     assert _curve(tuned)[0]["ce_loss"] < _curve(scratch)[0]["ce_loss"] - 0.05  # trained LM
     one = tmp_path / "one.jsonl"  # the PP 2 checkpoint at PP 1: resharded, the same run
-    other = _pretrain(1, _args(corpus, tmp_path, load=lm_ckpt, finetune=True, **{
-        "eval-interval": 0, "train-iters": 2, "metrics-file": one}))  # fmt: skip
+    other = _pretrain(
+        1,
+        _args(
+            corpus,
+            tmp_path,
+            load=lm_ckpt,
+            finetune=True,
+            **{"eval-interval": 0, "train-iters": 2, "metrics-file": one},
+        ),
+    )
     assert train_state(lm_ckpt)["layout"]["pipeline_parallel"] == 2
     assert f"loaded weights from {lm_ckpt / 'iter_0000006'} (--finetune --load)" in other.stderr
     assert "TempNet starts from its initialisation" in other.stderr
@@ -507,13 +663,17 @@ def test_pipeline_finetune_starts_tempnet_on_an_lm_only_checkpoint(corpus, tmp_p
 
 
 def test_pipeline_freeze_lm_trains_tempnet_only(corpus, tmp_path):
+    """--freeze-lm at PP 2 gives PP 1's run, in float32 and under --bf16 (where the first stage,
+    with nothing to train, steps DeepSpeed's bf16 optimizer on a zero gradient); the LM's layer
+    files stay bit-identical."""
     flags = {"freeze-lm": True, "train-iters": 6, "eval-interval": 0}
     one = tmp_path / "pp1.jsonl"
     _pretrain(1, _args(corpus, tmp_path, **flags, **{"metrics-file": one}))
     pp = {**flags, "pipeline-model-parallel-size": 2}
     trained, initial = tmp_path / "trained", tmp_path / "initial"
-    _pretrain(2, _args(corpus, tmp_path, **pp, save=trained,
-                       **{"metrics-file": trained / "m.jsonl"}))  # fmt: skip
+    _pretrain(
+        2, _args(corpus, tmp_path, **pp, save=trained, **{"metrics-file": trained / "m.jsonl"})
+    )
     for got, ref in zip(_curve(trained / "m.jsonl"), _curve(one), strict=True):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6), got["iteration"]
     _pretrain(2, _args(corpus, tmp_path, **{**pp, "train-iters": 1, "lr": 0.0}, save=initial))
@@ -526,18 +686,53 @@ def test_pipeline_freeze_lm_trains_tempnet_only(corpus, tmp_path):
     assert lm and all(torch.equal(after[k], before[k]) for k in lm)  # the LM: bit-identical
     tempnet = [k for k in after if k.startswith("tempnet.")]
     assert any(not torch.equal(after[k], before[k]) for k in tempnet)  # TempNet learned
+    one_bf16, bf16 = tmp_path / "pp1-bf16.jsonl", tmp_path / "bf16"
+    _pretrain(1, _args(corpus, tmp_path, **flags, bf16=True, **{"metrics-file": one_bf16}))
+    _pretrain(
+        2,
+        _args(corpus, tmp_path, **pp, bf16=True, save=bf16, **{"metrics-file": bf16 / "m.jsonl"}),
+    )
+    curves = zip(_curve(bf16 / "m.jsonl"), _curve(one_bf16), _curve(one), strict=True)
+    for got, ref, ref32 in curves:
+        # the same bfloat16 LM forward at PP 1 and 2; the float32 TempNet's gradients reach its
+        # optimizer through another engine, which moves these by under 1e-5 here (bf16 against
+        # float32: about 1e-3)
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), got["iteration"]
+        assert got["tau_mean"] == pytest.approx(ref["tau_mean"], rel=1e-4), got["iteration"]
+        # every stage reduces the norm of TempNet's float32 gradient (the bfloat16 LM's
+        # activations move it by about 1e-5); a stage left out would log 0 or hang
+        assert got["grad_norm"] == pytest.approx(ref32["grad_norm"], rel=1e-3), got["iteration"]
+    after = weights(bf16, master=False)
+    assert all(torch.equal(after[k], before[k].to(after[k].dtype)) for k in lm)
+    assert {after[k].dtype for k in lm} == {torch.bfloat16}
+    assert {after[k].dtype for k in tempnet} == {torch.float32}
+    assert any(not torch.equal(after[k], before[k]) for k in tempnet)
 
 
 def test_time_budget_stops_at_a_checkpoint_and_pretrained_weights_seed_the_run(corpus, tmp_path):
     """--exit-duration-in-mins: checkpoint, exit status 75; the same command again resumes.
     --pretrained-checkpoint seeds only a run whose --load holds nothing yet."""
     pretrained, run = tmp_path / "pretrained", tmp_path / "run"
-    _pretrain(0, _args(corpus, tmp_path, save=pretrained, loss="ce", **{"tau-source": "fixed",
-                       "train-iters": 2}))  # fmt: skip
-    flags = {"pretrained-checkpoint": pretrained, "load": run, "save": run, "train-iters": 4,
-             "metrics-file": run / "m.jsonl"}  # fmt: skip
-    first = _pretrain(0, _args(corpus, tmp_path, **flags, **{"exit-duration-in-mins": 1e-6}),
-                      check=False)  # fmt: skip
+    _pretrain(
+        0,
+        _args(
+            corpus,
+            tmp_path,
+            save=pretrained,
+            loss="ce",
+            **{"tau-source": "fixed", "train-iters": 2},
+        ),
+    )
+    flags = {
+        "pretrained-checkpoint": pretrained,
+        "load": run,
+        "save": run,
+        "train-iters": 4,
+        "metrics-file": run / "m.jsonl",
+    }
+    first = _pretrain(
+        0, _args(corpus, tmp_path, **flags, **{"exit-duration-in-mins": 1e-6}), check=False
+    )
     assert first.returncode == 75, first.stderr[-3000:]
     assert (
         f"no checkpoint in --load yet: loading --pretrained-checkpoint {pretrained}" in first.stderr
@@ -572,14 +767,37 @@ def test_frozen_lm_checkpoints_hold_tempnet_only_and_resume_exactly(corpus, tmp_
     pretrained checkpoint on resume); 3 + exit + resume 3 equals 6 straight, bit for bit."""
     layout = {"pipeline-model-parallel-size": pp, "eval-interval": 0}
     lm = tmp_path / "lm"
-    _pretrain(nproc, _args(corpus, tmp_path, **layout, save=lm, loss="ce",
-                           **{"tau-source": "fixed", "train-iters": 2}))  # fmt: skip
+    _pretrain(
+        nproc,
+        _args(
+            corpus,
+            tmp_path,
+            **layout,
+            save=lm,
+            loss="ce",
+            **{"tau-source": "fixed", "train-iters": 2},
+        ),
+    )
 
     def run(name: str, **flags) -> subprocess.CompletedProcess:
         d = tmp_path / name
-        return _pretrain(nproc, _args(corpus, tmp_path, **layout, **{
-            "freeze-lm": True, "pretrained-checkpoint": lm, "load": d, "save": d,
-            "train-iters": 6, "metrics-file": d / "m.jsonl", **flags}))  # fmt: skip
+        return _pretrain(
+            nproc,
+            _args(
+                corpus,
+                tmp_path,
+                **layout,
+                **{
+                    "freeze-lm": True,
+                    "pretrained-checkpoint": lm,
+                    "load": d,
+                    "save": d,
+                    "train-iters": 6,
+                    "metrics-file": d / "m.jsonl",
+                    **flags,
+                },
+            ),
+        )
 
     run("straight")
     run("split", **{"exit-interval": 3})
@@ -595,7 +813,15 @@ def test_frozen_lm_checkpoints_hold_tempnet_only_and_resume_exactly(corpus, tmp_
     a, b = _curve(tmp_path / "split" / "m.jsonl"), _curve(tmp_path / "straight" / "m.jsonl")
     assert [r["iteration"] for r in a] == list(range(1, 7))
     assert all(x["loss"] == y["loss"] and x["tau_mean"] == y["tau_mean"] for x, y in zip(a, b))
-    without = _pretrain(nproc, _args(corpus, tmp_path, **layout, **{
-        "freeze-lm": True, "load": tmp_path / "split", "train-iters": 8}), check=False)  # fmt: skip
+    without = _pretrain(
+        nproc,
+        _args(
+            corpus,
+            tmp_path,
+            **layout,
+            **{"freeze-lm": True, "load": tmp_path / "split", "train-iters": 8},
+        ),
+        check=False,
+    )
     assert without.returncode != 0
     assert "holds TempNet without the frozen LM: resume it with --freeze-lm" in without.stderr
