@@ -25,8 +25,13 @@ class PairSet:
         return len(self.labels)
 
     def __getitem__(self, i):
-        return {"image": self.images[i], "tokens": torch.full((3,), i % 3), "length":
-                torch.tensor(3), "index": torch.tensor(i), "label": self.labels[i]}  # fmt: skip
+        return {
+            "image": self.images[i],
+            "tokens": torch.full((3,), i % 3),
+            "length": torch.tensor(3),
+            "index": torch.tensor(i),
+            "label": self.labels[i],
+        }
 
     def label(self, i):
         return self.labels[i]
@@ -61,13 +66,19 @@ def _evaluate():
         ids = torch.tensor([NAMES.index(t.split()[-1]) for t in texts])[:, None].expand(-1, 3)
         return FakeEngine()(None, ids, None)["text"].cpu()  # on the host, as the task's
 
-    return evaluate_clip(FakeEngine(), PairSet(23, 0), batch_size=4, dp_group=dist.group.WORLD,
-                         encode_texts=encode_texts, templates=["a {}", "the digit {}"],
-                         ood_ds=PairSet(11, 1, shift=1.0))  # fmt: skip
+    return evaluate_clip(
+        FakeEngine(),
+        PairSet(23, 0),
+        batch_size=4,
+        dp_group=dist.group.WORLD,
+        encode_texts=encode_texts,
+        templates=["a {}", "the digit {}"],
+        ood_ds=PairSet(11, 1, shift=1.0),
+    )
 
 
 def _reference() -> dict:
-    from megatron_tempnet.models.clip.metrics import retrieval_recalls
+    from megatron_tempnet.models.clip.zero_shot_metrics import retrieval_recalls
 
     valid, ood, engine = PairSet(23, 0), PairSet(11, 1, shift=1.0), FakeEngine()
     enc = engine(valid.images, torch.tensor([[i % 3] * 3 for i in range(23)]), None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_tempnet.models.clip.config import CLIPModelConfig
 from megatron_tempnet.models.gpt import ModelConfigError
@@ -31,8 +32,6 @@ def _inputs(cfg: CLIPModelConfig):
 
 
 def _forward_backward(cfg: CLIPModelConfig):
-    from megatron.core import parallel_state
-
     from megatron_tempnet.compat import apply_cpu_support
     from megatron_tempnet.models.clip.towers import CLIPModel
 
@@ -43,9 +42,15 @@ def _forward_backward(cfg: CLIPModelConfig):
     images, tokens, lengths = _inputs(cfg)
     image_emb, text_emb = model.encode_image(images), model.encode_text(tokens, lengths)
     (image_emb @ text_emb.t()).sum().backward()
-    out = {"image": image_emb.detach(), "text": text_emb.detach(),
-           "grads": {n: p.grad.clone() for n, p in model.named_parameters()
-                     if not getattr(p, "tensor_model_parallel", False)}}  # fmt: skip
+    out = {
+        "image": image_emb.detach(),
+        "text": text_emb.detach(),
+        "grads": {
+            n: p.grad.clone()
+            for n, p in model.named_parameters()
+            if not getattr(p, "tensor_model_parallel", False)
+        },
+    }
     with torch.no_grad():
         changed = tokens.clone()
         changed[0, 5:] = 7  # after caption 0's end-of-text token

@@ -8,30 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.hf_models import hf_clip_config
 
 EOS, VOCAB, CONTEXT = 98, 99, 16
 
 
 def _hf_model():
-    from transformers import CLIPConfig, CLIPModel
+    from transformers import CLIPModel
 
-    tower = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-                 num_attention_heads=2, hidden_act="quick_gelu")  # fmt: skip
-    config = CLIPConfig(
-        text_config=dict(
-            tower,
-            vocab_size=VOCAB,
-            max_position_embeddings=CONTEXT,
-            eos_token_id=EOS,
-            bos_token_id=0,
-            pad_token_id=1,
-        ),  # fmt: skip
-        vision_config=dict(tower, image_size=16, patch_size=4, num_channels=3),
-        projection_dim=32,
-        logit_scale_init_value=3.0,
-    )
+    config = hf_clip_config(128, 2, VOCAB, CONTEXT, EOS, channels=3, logit_scale_init_value=3.0)
     torch.manual_seed(11)
     model = CLIPModel(config).eval()
     with torch.no_grad():  # LayerNorms away from (1, 0), so their mapping matters
@@ -64,8 +52,11 @@ def _open_clip_state(hf_state: dict) -> dict:
     out["positional_embedding"] = hf_state[t + "embeddings.position_embedding.weight"]
     out["visual.proj"] = hf_state["visual_projection.weight"].t()
     out["text_projection"] = hf_state["text_projection.weight"].t()
-    norms = (("visual.ln_pre.", v + "pre_layrnorm."), ("visual.ln_post.", v + "post_layernorm."),
-             ("ln_final.", t + "final_layer_norm."))  # fmt: skip
+    norms = (
+        ("visual.ln_pre.", v + "pre_layrnorm."),
+        ("visual.ln_post.", v + "post_layernorm."),
+        ("ln_final.", t + "final_layer_norm."),
+    )
     for ours, theirs in norms:
         for kind in ("weight", "bias"):
             out[ours + kind] = hf_state[theirs + kind]
@@ -76,16 +67,18 @@ def _open_clip_state(hf_state: dict) -> dict:
                 out[f"{a}attn.in_proj_{kind}"] = torch.cat(
                     [hf_state[f"{b}self_attn.{x}_proj.{kind}"] for x in "qkv"]
                 )
-                for o, h in (("ln_1", "layer_norm1"), ("ln_2", "layer_norm2"),
-                             ("attn.out_proj", "self_attn.out_proj"), ("mlp.c_fc", "mlp.fc1"),
-                             ("mlp.c_proj", "mlp.fc2")):  # fmt: skip
+                for o, h in (
+                    ("ln_1", "layer_norm1"),
+                    ("ln_2", "layer_norm2"),
+                    ("attn.out_proj", "self_attn.out_proj"),
+                    ("mlp.c_fc", "mlp.fc1"),
+                    ("mlp.c_proj", "mlp.fc2"),
+                ):
                     out[f"{a}{o}.{kind}"] = hf_state[f"{b}{h}.{kind}"]
     return out
 
 
 def _import_and_encode(source: str):
-    from megatron.core import parallel_state
-
     from megatron_tempnet.compat import apply_cpu_support
     from megatron_tempnet.models.clip import pretrained
     from megatron_tempnet.models.clip.config import CLIPLossConfig, CLIPModelConfig
@@ -107,18 +100,28 @@ def _import_and_encode(source: str):
             pretrained.hf_names_from_open_clip(open_clip), CLIPModelConfig(**fields)
         )
     config = CLIPModelConfig(**fields)
-    module = CLIPTrainModule(CLIPModel(config, tensor_parallel_size=tp, seed=1),
-                             CLIPLossConfig(clip_loss="clip"))  # fmt: skip
-    missing = pretrained.load_full(module, full, tensor_parallel=tp,
-                                   tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
-                                   padded_vocab=config.padded_vocab_size(tp))  # fmt: skip
+    module = CLIPTrainModule(
+        CLIPModel(config, tensor_parallel_size=tp, seed=1), CLIPLossConfig(clip_loss="clip")
+    )
+    missing = pretrained.load_full(
+        module,
+        full,
+        tensor_parallel=tp,
+        tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
+        padded_vocab=config.padded_vocab_size(tp),
+    )
     images, tokens, lengths = _inputs()
     with torch.no_grad():
         ours = module.eval().encode(images, tokens, lengths)
         out = hf(input_ids=tokens, pixel_values=images)  # normalised embeddings
         theirs = {"image": out.image_embeds, "text": out.text_embeds}
-    return {"ours": ours, "theirs": theirs, "missing": missing, "fields": fields,
-            "log_tau": module.log_tau.detach()}  # fmt: skip
+    return {
+        "ours": ours,
+        "theirs": theirs,
+        "missing": missing,
+        "fields": fields,
+        "log_tau": module.log_tau.detach(),
+    }
 
 
 @pytest.mark.parametrize("source", ["hf", "open_clip"])

@@ -34,8 +34,10 @@ def _losses(loss: str):
     positive = positive_columns(x.shape[0], device=x.device)
     sims = (x @ yg.t(), y @ xg.t())  # image anchors vs all texts, text anchors vs all images
     if loss == "robust":
-        zeros, unseen = torch.zeros(x.shape[0], dtype=torch.float64), torch.zeros(
-            x.shape[0], dtype=torch.bool)  # fmt: skip
+        zeros, unseen = (
+            torch.zeros(x.shape[0], dtype=torch.float64),
+            torch.zeros(x.shape[0], dtype=torch.bool),
+        )
         sides = [
             robust_contrastive_side(sim, positive, tau, zeros, zeros, unseen, gamma=0.9, rho=5.0)
             for sim, tau in zip(sims, (tau_x, tau_y))
@@ -43,8 +45,9 @@ def _losses(loss: str):
         per_anchor = torch.stack([side.loss for side in sides])
         extra = torch.stack([side.tau_grad for side in sides]).detach()
     else:
-        per_anchor = torch.stack([info_nce(sim, positive, tau)
-                                  for sim, tau in zip(sims, (tau_x, tau_y))])  # fmt: skip
+        per_anchor = torch.stack(
+            [info_nce(sim, positive, tau) for sim, tau in zip(sims, (tau_x, tau_y))]
+        )
         extra = per_anchor.detach()
     (per_anchor.sum() / B).backward()  # normalised by the global number of anchors
     return per_anchor.detach(), extra, x.grad, y.grad

@@ -138,13 +138,19 @@ def _rng_streams_across_runtimes() -> dict:
     seed_rngs(3)
     # a GPU run's file (before the runtime was recorded): Philox seed and offset, 16 bytes
     philox = torch.zeros(16, dtype=torch.uint8)
-    gpu_file = {"torch": saved["torch"], "tracker": dict.fromkeys(saved["tracker"], philox),
-                "cuda": philox}  # fmt: skip
+    gpu_file = {
+        "torch": saved["torch"],
+        "tracker": dict.fromkeys(saved["tracker"], philox),
+        "cuda": philox,
+    }
     set_rng_state(gpu_file)
     with tracker.fork():  # set_rng_state refused a CUDA state here before
         fresh = torch.rand(4)
-    return {"runtime": saved["runtime"], "again": torch.equal(first, again),
-            "from the seed": torch.equal(first, fresh)}  # fmt: skip
+    return {
+        "runtime": saved["runtime"],
+        "again": torch.equal(first, again),
+        "from the seed": torch.equal(first, fresh),
+    }
 
 
 def test_a_gpu_checkpoints_rng_streams_restart_on_cpu():

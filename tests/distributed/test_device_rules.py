@@ -67,9 +67,15 @@ def test_nccl_and_cuda_refuse_host_tensors_here_too():
     results = run_distributed(_collectives_and_mixing, world_size=2)
     assert results[0] == results[1]
     out = results[0]
-    for case in ("device all_reduce", "host all_reduce, gloo group", "host broadcast_object_list",
-                 "host scalar * device", "moved, then added", "host index into device",
-                 "host generator, host draw"):  # fmt: skip
+    for case in (
+        "device all_reduce",
+        "host all_reduce, gloo group",
+        "host broadcast_object_list",
+        "host scalar * device",
+        "moved, then added",
+        "host index into device",
+        "host generator, host draw",
+    ):
         assert out[case] is None, case
     for case in ("host all_reduce", "host all_reduce, NCCL subgroup", "host all_gather"):
         assert out[case].startswith(NCCL_ERROR), case
@@ -167,6 +173,16 @@ def _counted() -> dict:
 
 def test_host_synchronisations_are_counted():
     (out,) = run_distributed(_counted, world_size=1)
-    waits = {"item", "tolist", "bool", "float", "cpu", "mask index", "nonzero",
-             "tensor(data, device=)", "blocking copy to the device", "barrier"}  # fmt: skip
+    waits = {
+        "item",
+        "tolist",
+        "bool",
+        "float",
+        "cpu",
+        "mask index",
+        "nonzero",
+        "tensor(data, device=)",
+        "blocking copy to the device",
+        "barrier",
+    }
     assert out == {name: int(name in waits) for name in out}

@@ -16,6 +16,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_tempnet.models.gpt import ModelConfig
 from megatron_tempnet.models.gpt.memory import Layout, stage_params
@@ -61,7 +62,6 @@ def _build_stage(model: ModelConfig, tp: int, pp: int, hf_shapes: dict) -> dict:
     layout of the Hugging Face tensors, and its LM / TempNet parameter counts."""
     import deepspeed
     from deepspeed.runtime.pipe.module import PipelineModule
-    from megatron.core import parallel_state
 
     from megatron_tempnet.compat import apply_cpu_support
     from megatron_tempnet.distributed.sharding import shard
@@ -93,10 +93,17 @@ def _build_stage(model: ModelConfig, tp: int, pp: int, hf_shapes: dict) -> dict:
             # a meta stage cannot move to the CPU, which PipelineModule does once built
             with mock.patch.object(PipelineModule, "to", lambda self, *a, **k: self):
                 stage = build_pipeline(
-                    model, LossConfig(), tensor_parallel=tp, pipeline_parallel=pp,
-                    dtype=torch.bfloat16, recompute=Recompute(), freeze_lm=False, seed=0,
-                    tempnet_kwargs=tempnet_kwargs, tp_group=tp_group,
-                )  # fmt: skip
+                    model,
+                    LossConfig(),
+                    tensor_parallel=tp,
+                    pipeline_parallel=pp,
+                    dtype=torch.bfloat16,
+                    recompute=Recompute(),
+                    freeze_lm=False,
+                    seed=0,
+                    tempnet_kwargs=tempnet_kwargs,
+                    tp_group=tp_group,
+                )
             params = dict(stage.named_parameters())
     full = from_hf(model, _MetaHF(hf_shapes))
     mismatches, lm_count, tempnet_count = [], 0, 0
@@ -108,9 +115,13 @@ def _build_stage(model: ModelConfig, tp: int, pp: int, hf_shapes: dict) -> dict:
             continue
         lm_count += p.numel()
         expected = shard(
-            _our_name(name), full(_our_name(name)), rank, tp, swiglu=model.swiglu,
+            _our_name(name),
+            full(_our_name(name)),
+            rank,
+            tp,
+            swiglu=model.swiglu,
             padded_vocab=padded,
-        ).shape  # fmt: skip
+        ).shape
         if tuple(p.shape) != tuple(expected):
             mismatches.append((name, tuple(p.shape), tuple(expected)))
     stage_index = parallel_state.get_pipeline_model_parallel_rank()

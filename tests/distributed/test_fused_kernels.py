@@ -14,6 +14,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_tempnet.models.clip.config import CLIPModelConfig
 from megatron_tempnet.models.gpt import ModelConfig
@@ -42,8 +43,6 @@ def _relative(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _gpt_fast_vs_slow(cfg: ModelConfig, recompute: Recompute | None) -> dict:
     """Forward + backward of the same weights on both paths; this rank's relative differences."""
-    from megatron.core import parallel_state
-
     from megatron_tempnet.compat import apply_cpu_support
     from megatron_tempnet.models.gpt import build_gpt_model
 
@@ -75,9 +74,9 @@ SELECTIVE, FULL = Recompute("selective"), Recompute("full", "uniform", 1)
 
 
 @pytest.mark.parametrize(
-    "arch,tp,recompute", [("gpt2", 1, None), ("gpt2", 2, SELECTIVE), ("llama-gqa", 1, FULL),
-                          ("llama-gqa", 2, None)],
-)  # fmt: skip
+    "arch,tp,recompute",
+    [("gpt2", 1, None), ("gpt2", 2, SELECTIVE), ("llama-gqa", 1, FULL), ("llama-gqa", 2, None)],
+)
 def test_fused_path_equals_unfused_gpt(arch, tp, recompute):
     cfg = ModelConfig.from_preset("tiny", vocab_size=200, **ARCHS[arch])
     cfg.max_position_embeddings = cfg.seq_length = SEQ
@@ -90,8 +89,6 @@ def test_fused_path_equals_unfused_gpt(arch, tp, recompute):
 
 
 def _clip_fast_vs_slow(cfg: CLIPModelConfig) -> dict:
-    from megatron.core import parallel_state
-
     from megatron_tempnet.compat import apply_cpu_support
     from megatron_tempnet.models.clip.towers import CLIPModel
 
@@ -144,7 +141,6 @@ def _reference_attention(q, k, v, causal: bool) -> torch.Tensor:
 
 
 def _core_attention_cases() -> dict:
-    from megatron.core import parallel_state
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_tempnet.compat import apply_cpu_support
@@ -214,11 +210,15 @@ def test_fused_adamw_equals_the_per_tensor_loop():
     assert fused.defaults["fused"] is True
     loop, ref = train(
         lambda ps: torch.optim.AdamW(
-            [{"params": ps[:1], "lr": 1e-2, "weight_decay": 0.1},
-             {"params": ps[1:], "lr": 3e-2, "weight_decay": 0.0}],
-            betas=(opt_cfg.adam_beta1, 0.95), eps=opt_cfg.adam_eps, foreach=False,
+            [
+                {"params": ps[:1], "lr": 1e-2, "weight_decay": 0.1},
+                {"params": ps[1:], "lr": 3e-2, "weight_decay": 0.0},
+            ],
+            betas=(opt_cfg.adam_beta1, 0.95),
+            eps=opt_cfg.adam_eps,
+            foreach=False,
         )
-    )  # fmt: skip
+    )
     for p, r in zip(got, ref):
         assert not torch.equal(p, start[0] if p.ndim == 2 else start[1])
         torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)

@@ -7,28 +7,26 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_tempnet.models.gpt import ModelConfig
 from tests.helpers.distributed import run_distributed
+from tests.helpers.shapes import LLAMA_SHAPE
 
 VOCAB = 97
 PROMPTS = [[5, 17, 33], [2, 9, 41, 70, 12, 8, 3, 60, 61, 11, 4], [90], [7, 7, 7, 7, 7, 7], [1, 2]]
 NEW = 10
 
+# without the compiled fusions, as load_inference_model builds the model
+NO_FUSIONS = dict(bias_dropout_fusion=False, bias_swiglu_fusion=False, bias_gelu_fusion=False)
 SHAPES = {
     "gpt2": dict(init_method_std=0.3),
-    "llama": dict(
-        normalization="RMSNorm", swiglu=True, untie_embeddings_and_output_weights=True,
-        position_embedding_type="rope", add_bias_linear=False, num_query_groups=2,
-        init_method_std=0.3,
-    ),
-}  # fmt: skip
+    "llama": dict(LLAMA_SHAPE, init_method_std=0.3),
+}
 
 
 def build(shape: str):
     """A random tiny model and TempNet as an ``InferenceModel`` at this job's TP size."""
-    from megatron.core import parallel_state
-
     from megatron_tempnet.compat import apply_cpu_support
     from megatron_tempnet.inference.model import InferenceModel
     from megatron_tempnet.models.gpt import build_gpt_model
@@ -43,24 +41,27 @@ def build(shape: str):
         vocab_size=VOCAB,
         max_position_embeddings=48,
         seq_length=48,
-        bias_dropout_fusion=False,
-        bias_swiglu_fusion=False,
-        bias_gelu_fusion=False,
+        **NO_FUSIONS,
         **SHAPES[shape],
-    )  # without the compiled fusions, as load_inference_model builds it
+    )
     lm = build_gpt_model(config, tensor_parallel_size=tp, seed=5).eval()
     group = parallel_state.get_tensor_model_parallel_group()
     torch.manual_seed(11)
     tempnet = TempNetLM(
-        VOCAB, hidden_size=16, proj_size=16, tau_min=0.05, tau_max=2.0, tp_group=group,
+        VOCAB,
+        hidden_size=16,
+        proj_size=16,
+        tau_min=0.05,
+        tau_max=2.0,
+        tp_group=group,
         padded_vocab_size=config.padded_vocab_size(tp),
-    ).eval()  # fmt: skip
+    ).eval()
     return InferenceModel(lm, tempnet, config, {}, group)
 
 
 def _runs(shape: str):
     from megatron_tempnet.inference.generation import generate
-    from megatron_tempnet.inference.sampling import SamplingConfig
+    from megatron_tempnet.inference.token_sampling import SamplingConfig
 
     model = build(shape)
     greedy = SamplingConfig(greedy=True)

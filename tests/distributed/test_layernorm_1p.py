@@ -14,27 +14,17 @@ import os
 
 import pytest
 import torch
+from megatron.core import parallel_state
 
 from megatron_tempnet.models.gpt import ModelConfig
 from tests.helpers.distributed import run_distributed
-from tests.helpers.shapes import LLAMA_SHAPE
+from tests.helpers.shapes import parity_model
 
 SEQ, BATCH, VOCAB = 12, 2, 200
 
 
 def _model(arch: str, one_p: bool) -> ModelConfig:
-    shape = dict(
-        vocab_size=VOCAB,
-        seq_length=SEQ,
-        max_position_embeddings=SEQ,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        openai_gelu=arch == "gpt2",
-        apply_layernorm_1p=one_p,
-    )
-    if arch == "llama":
-        shape.update(LLAMA_SHAPE, ffn_hidden_size=96)
-    return ModelConfig.from_preset("tiny", **shape)
+    return parity_model(arch, SEQ, VOCAB, llama_ffn=96, apply_layernorm_1p=one_p)
 
 
 def _norm_weights(model) -> dict[str, torch.nn.Parameter]:
@@ -52,7 +42,6 @@ class _Tensors:
 
 
 def _one_p(arch: str) -> dict:
-    from megatron.core import parallel_state
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_tempnet.compat import apply_cpu_support

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from megatron.core import parallel_state
 
 from megatron_tempnet.models.gpt import ModelConfig
 from megatron_tempnet.models.gpt.memory import (
@@ -53,7 +54,6 @@ def _measure(tp: int, seq: int, mbs: int, vocab: int, recompute, llama: bool, fu
     """One training step of model + TempNet + DRO loss after a warm-up step; the peak of live
     tensor bytes (parameters, gradients, optimizer states, activations) from megatron-core's
     pieces through torch's MemTracker."""
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -88,16 +88,29 @@ def _measure(tp: int, seq: int, mbs: int, vocab: int, recompute, llama: bool, fu
     with tracker:
         step()
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-    return {"peak": peak, "lm": sum(p.numel() for p in lm.parameters()),
-            "tempnet": sum(p.numel() for p in tempnet.parameters())}  # fmt: skip
+    return {
+        "peak": peak,
+        "lm": sum(p.numel() for p in lm.parameters()),
+        "tempnet": sum(p.numel() for p in tempnet.parameters()),
+    }
 
 
 def _config(seq: int, vocab: int, llama: bool) -> ModelConfig:
-    shape = {"normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False,
-             "untie_embeddings_and_output_weights": True, "position_embedding_type": "rope",
-             "num_query_groups": 2} if llama else {}  # fmt: skip
-    return ModelConfig.from_preset("tiny", vocab_size=vocab, seq_length=seq,
-                                   max_position_embeddings=seq, **shape)  # fmt: skip
+    shape = (
+        {
+            "normalization": "RMSNorm",
+            "swiglu": True,
+            "add_bias_linear": False,
+            "untie_embeddings_and_output_weights": True,
+            "position_embedding_type": "rope",
+            "num_query_groups": 2,
+        }
+        if llama
+        else {}
+    )
+    return ModelConfig.from_preset(
+        "tiny", vocab_size=vocab, seq_length=seq, max_position_embeddings=seq, **shape
+    )
 
 
 CHUNK = 256  # tokens: the fused output stage in 4 chunks
@@ -155,9 +168,25 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_70b_recipe_and_flag_errors():
-    recipe = ["--model", "llama2-70b", "--tp", "8", "--pp", "2", "--dp", "4", "--zero", "1",
-              "--micro-batch-size", "1", "--global-batch-size", "16", "--seq-length", "4096",
-              "--bf16"]  # fmt: skip
+    recipe = [
+        "--model",
+        "llama2-70b",
+        "--tp",
+        "8",
+        "--pp",
+        "2",
+        "--dp",
+        "4",
+        "--zero",
+        "1",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "16",
+        "--seq-length",
+        "4096",
+        "--bf16",
+    ]
     frozen = _tool(*recipe, "--freeze-lm")
     assert frozen.returncode == 0, frozen.stderr
     assert "parameters: LM 68.98 B, TempNet 8.26 M" in frozen.stdout
@@ -177,8 +206,20 @@ def test_the_70b_recipe_and_flag_errors():
     assert activations["unfused"] - activations["fused"] == pytest.approx(21.08, abs=0.01)
     recompute = _tool(*recipe, "--attention-backend", "unfused", "--recompute-activations")
     assert "of 80 GiB: fits" in recompute.stdout
-    clip = _tool("--clip", "--model", "vit-b-16", "--dp", "64", "--micro-batch-size", "256",
-                 "--clip-loss", "sogclr", "--num-samples", "12000000", "--bf16")  # fmt: skip
+    clip = _tool(
+        "--clip",
+        "--model",
+        "vit-b-16",
+        "--dp",
+        "64",
+        "--micro-batch-size",
+        "256",
+        "--clip-loss",
+        "sogclr",
+        "--num-samples",
+        "12000000",
+        "--bf16",
+    )
     # OpenAI's ViT-B/16 CLIP: 149,620,737 parameters with its logit scale (sogclr has none)
     assert clip.returncode == 0 and "149.62 M parameters" in clip.stdout, clip.stderr
     assert "contrastive batch 16384" in clip.stdout and "of 80 GiB: fits" in clip.stdout
@@ -192,7 +233,6 @@ def test_the_70b_recipe_and_flag_errors():
 def _measure_clip(loss: str, mbs: int, image_size: int, layers: int, hidden: int):
     """One CLIP training step (towers, temperature, loss) after a warm-up step: the peak of
     live tensor bytes, as for GPT above."""
-    from megatron.core import parallel_state
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from megatron_tempnet.compat import apply_cpu_support
@@ -230,10 +270,17 @@ def _clip_config(image_size: int, layers: int, hidden: int):
     from megatron_tempnet.models.clip.config import CLIPModelConfig
 
     return CLIPModelConfig.from_preset(
-        "clip-tiny", vocab_size=500, image_size=image_size, image_channels=3, embed_dim=64,
-        vision_layers=layers, text_layers=layers, vision_hidden_size=hidden,
-        text_hidden_size=hidden, context_length=32,
-    )  # fmt: skip
+        "clip-tiny",
+        vocab_size=500,
+        image_size=image_size,
+        image_channels=3,
+        embed_dim=64,
+        vision_layers=layers,
+        text_layers=layers,
+        vision_hidden_size=hidden,
+        text_hidden_size=hidden,
+        context_length=32,
+    )
 
 
 @pytest.mark.parametrize(
@@ -241,8 +288,9 @@ def _clip_config(image_size: int, layers: int, hidden: int):
     [("tempnet", 1024, 8, 1, 32), ("clip", 1024, 8, 1, 32), ("isogclr", 32, 64, 4, 256)],
     ids=["tempnet-rows", "infonce-rows", "isogclr-towers"],
 )
-def test_clip_total_is_within_20_percent_of_the_measured_peak(loss, mbs, image_size, layers,
-                                                              hidden):  # fmt: skip
+def test_clip_total_is_within_20_percent_of_the_measured_peak(
+    loss, mbs, image_size, layers, hidden
+):
     """The [b, B] similarity rows and the loss's buffers dominate the first two, the towers'
     activations the third."""
     from megatron_tempnet.models.clip.memory import CLIPLayout, estimate, largest

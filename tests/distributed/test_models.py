@@ -6,22 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_tempnet.models.gpt import PRESETS, ModelConfig, ModelConfigError
 from tests.helpers.distributed import run_distributed
+from tests.helpers.shapes import LLAMA_SHAPE
 
 SEQ, BATCH = 16, 2
 
 
 def _llama_tiny(**kw) -> ModelConfig:
-    return ModelConfig.from_preset(
-        "tiny", normalization="RMSNorm", swiglu=True, untie_embeddings_and_output_weights=True,
-        position_embedding_type="rope", add_bias_linear=False, num_query_groups=2, **kw,
-    )  # fmt: skip
+    return ModelConfig.from_preset("tiny", **LLAMA_SHAPE, **kw)
 
 
 def _forward_backward(model_cfg: ModelConfig):
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import (
         gather_from_tensor_model_parallel_region,
     )
@@ -56,7 +54,6 @@ def _inputs(model_cfg: ModelConfig):
 
 def _against_megatron_gpt_model(model_cfg: ModelConfig):
     """Our pieces with megatron-core GPTModel's weights give GPTModel's logits."""
-    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -81,10 +78,12 @@ def _against_megatron_gpt_model(model_cfg: ModelConfig):
     )
     ours = build_gpt_model(model_cfg, seed=1)
     n = model_cfg.num_layers
-    renames = {"embedding.word_embeddings.": "pieces.0.word_embeddings.",
-               "embedding.position_embeddings.": "pieces.1.position_embeddings.",
-               "decoder.final_layernorm.": f"pieces.{n + 2}.norm.",
-               "output_layer.": f"pieces.{n + 3}.output_layer."}  # fmt: skip
+    renames = {
+        "embedding.word_embeddings.": "pieces.0.word_embeddings.",
+        "embedding.position_embeddings.": "pieces.1.position_embeddings.",
+        "decoder.final_layernorm.": f"pieces.{n + 2}.norm.",
+        "output_layer.": f"pieces.{n + 3}.output_layer.",
+    }
     renames.update({f"decoder.layers.{i}.": f"pieces.{i + 2}.layer." for i in range(n)})
     state = {}
     for key, value in reference.state_dict().items():
@@ -107,8 +106,11 @@ _LLAMA31 = dict(rotary_base=500000, use_rope_scaling=True, rope_scaling_factor=8
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "llama3.1"])
 def test_the_pieces_compute_megatron_cores_gpt_model(arch):
-    cfg = ModelConfig.from_preset("tiny", vocab_size=200) if arch == "gpt2" else _llama_tiny(
-        vocab_size=200, **(_LLAMA31 if arch == "llama3.1" else {}))  # fmt: skip
+    cfg = (
+        ModelConfig.from_preset("tiny", vocab_size=200)
+        if arch == "gpt2"
+        else _llama_tiny(vocab_size=200, **(_LLAMA31 if arch == "llama3.1" else {}))
+    )
     cfg.max_position_embeddings = cfg.seq_length = SEQ
     expected, got = run_distributed(_against_megatron_gpt_model, 1, args=(cfg,))[0]
     assert got.shape == expected.shape == (BATCH, SEQ, 256)
@@ -152,10 +154,20 @@ def test_presets_and_flag_checks():
     assert not gpt2.untie_embeddings_and_output_weights and gpt2.normalization == "LayerNorm"
     assert ModelConfig.from_preset("gpt2-125m", num_layers=3).num_layers == 3  # flags win
     assert set(PRESETS) == {
-        "tiny", "gpt2-125m", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b",
-        "llama3.1-8b", "llama3.1-70b", "llama3.1-405b", "llama3.2-1b", "llama3.2-3b",
+        "tiny",
+        "gpt2-125m",
+        "llama2-7b",
+        "llama2-13b",
+        "llama2-70b",
+        "llama3-8b",
+        "llama3-70b",
+        "llama3.1-8b",
+        "llama3.1-70b",
+        "llama3.1-405b",
+        "llama3.2-1b",
+        "llama3.2-3b",
         "mistral-7b",
-    }  # fmt: skip
+    }
     with pytest.raises(ModelConfigError, match=r"--num-query-groups \(8\) must be divisible by"):
         llama70.validate(tensor_parallel_size=16)
     with pytest.raises(
@@ -233,8 +245,18 @@ def test_model_flags_rebuild_a_scaled_rope_model():
         rope_scaling_high_freq_factor=3.0,
         rope_scaling_original_max_position_embeddings=24,
     )
-    required = ["--data-path", "d", "--tokenizer-type", "GPT2BPETokenizer", "--train-iters", "1",
-                "--lr", "1e-4", "--seq-length", str(model.seq_length)]  # fmt: skip
+    required = [
+        "--data-path",
+        "d",
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--train-iters",
+        "1",
+        "--lr",
+        "1e-4",
+        "--seq-length",
+        str(model.seq_length),
+    ]
     # no --model: the flags alone build the model (Megatron-LM's defaults for the rest)
     rebuilt = config_from_args(build_parser().parse_args(model_flags(model) + required)).model
     rebuilt.vocab_size = model.vocab_size

@@ -15,8 +15,9 @@ from tests.helpers.distributed import run_distributed
 def _decisions(signal_rank: int, signum: int, late_rank: int | None) -> list:
     rank = dist.get_rank()
     start = time.monotonic() - 120 if rank == late_rank else None  # 2 of 1.5 minutes gone
-    requests = StopRequests(exit_duration_mins=1.5 if late_rank is not None else 0.0,
-                            start_time=start).install()  # fmt: skip
+    requests = StopRequests(
+        exit_duration_mins=1.5 if late_rank is not None else 0.0, start_time=start
+    ).install()
     try:
         decisions = [requests.agreed(compute_device()) if late_rank is None else None]
         if rank == signal_rank:

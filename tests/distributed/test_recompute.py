@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_tempnet.models.clip.config import CLIPModelConfig
 from megatron_tempnet.models.gpt import ModelConfig
@@ -18,6 +19,7 @@ from megatron_tempnet.models.recompute import Recompute
 from megatron_tempnet.trainer.config import ConfigError, RunConfig, TrainingConfig
 from megatron_tempnet.trainer.validation import validate_run
 from tests.helpers.distributed import run_distributed
+from tests.helpers.shapes import LLAMA_SHAPE
 
 SEQ, BATCH, LAYERS = 16, 2, 4
 MODES = {
@@ -32,9 +34,7 @@ MODES = {
 
 
 def _gpt(backend: str, llama: bool = False) -> ModelConfig:
-    shape = dict(normalization="RMSNorm", swiglu=True, untie_embeddings_and_output_weights=True,
-                 position_embedding_type="rope", add_bias_linear=False,
-                 num_query_groups=2) if llama else {}  # fmt: skip
+    shape = LLAMA_SHAPE if llama else {}
     cfg = ModelConfig.from_preset("tiny", vocab_size=200, num_layers=LAYERS, **shape)
     cfg.attention_backend = backend
     cfg.max_position_embeddings = cfg.seq_length = SEQ
@@ -73,8 +73,6 @@ class SavedBytes:
 
 def _one_process(configs: dict, dtype: torch.dtype) -> dict:
     """For each ``{name: (ModelConfig, Recompute)}``: logits, gradients, saved bytes."""
-    from megatron.core import parallel_state
-
     from megatron_tempnet.compat import apply_cpu_support
     from megatron_tempnet.models.gpt import build_gpt_model
 
@@ -146,8 +144,6 @@ def test_saved_activations_shrink_as_each_mode_says():
 
 
 def _clip(configs: dict) -> dict:
-    from megatron.core import parallel_state
-
     from megatron_tempnet.compat import apply_cpu_support
     from megatron_tempnet.models.clip.towers import CLIPModel
 
@@ -177,8 +173,10 @@ def test_clip_towers_recompute_exactly():
     )
     names = ("none", "uniform-2", "block-1", "selective")
     configs = {n: (cfg, MODES[n]) for n in names}
-    configs["selective-unfused"] = (dataclasses.replace(cfg, attention_backend="unfused"),
-                                    MODES["selective"])  # fmt: skip
+    configs["selective-unfused"] = (
+        dataclasses.replace(cfg, attention_backend="unfused"),
+        MODES["selective"],
+    )
     configs["none-unfused"] = (configs["selective-unfused"][0], MODES["none"])
     (results,) = run_distributed(_clip, 1, args=(configs,))
     unfused = {k: results.pop(k) for k in ("selective-unfused", "none-unfused")}
@@ -193,7 +191,6 @@ def _pipeline(cfg: ModelConfig, modes: dict) -> dict:
     """Two stages run by hand (forward, send, backward, send back): each stage's gradients under
     their one-process names, and the bytes each stage keeps."""
     import deepspeed
-    from megatron.core import parallel_state
 
     from megatron_tempnet.compat import apply_cpu_support
     from megatron_tempnet.models.gpt.objective import LossConfig
@@ -207,11 +204,17 @@ def _pipeline(cfg: ModelConfig, modes: dict) -> dict:
     out = {}
     for name, recompute in modes.items():
         module = build_pipeline(
-            cfg, LossConfig(loss="ce", tau_source="fixed", fused_output_stage=False),
-            tensor_parallel=1, pipeline_parallel=2, dtype=torch.float32, recompute=recompute,
-            freeze_lm=False, seed=3, tempnet_kwargs={},
+            cfg,
+            LossConfig(loss="ce", tau_source="fixed", fused_output_stage=False),
+            tensor_parallel=1,
+            pipeline_parallel=2,
+            dtype=torch.float32,
+            recompute=recompute,
+            freeze_lm=False,
+            seed=3,
+            tempnet_kwargs={},
             tp_group=parallel_state.get_tensor_model_parallel_group(),
-        )  # fmt: skip
+        )
         module.double().train()
         hidden = torch.zeros(SEQ, BATCH, cfg.hidden_size, dtype=torch.float64)
         with SavedBytes() as saved:
@@ -235,8 +238,6 @@ def _pipeline(cfg: ModelConfig, modes: dict) -> dict:
 
 
 def _reference(cfg: ModelConfig) -> dict:
-    from megatron.core import parallel_state
-
     from megatron_tempnet.compat import apply_cpu_support
     from megatron_tempnet.models.gpt import build_gpt_model
 
@@ -281,7 +282,6 @@ def _clip_inputs(cfg: CLIPModelConfig):
 def _clip_pipeline(cfg: CLIPModelConfig, modes: dict) -> dict:
     """CLIP's two stages by hand (the towers' streams sent and their gradients sent back)."""
     import deepspeed
-    from megatron.core import parallel_state
 
     from megatron_tempnet.compat import apply_cpu_support
     from megatron_tempnet.models.clip.config import CLIPLossConfig
@@ -294,13 +294,25 @@ def _clip_pipeline(cfg: CLIPModelConfig, modes: dict) -> dict:
     stage, out = dist.get_rank(), {}
     images, tokens, lengths = _clip_inputs(cfg)
     for name, recompute in modes.items():
-        module = build_pipeline(
-            cfg, CLIPLossConfig(), tensor_parallel=1, pipeline_parallel=2, dtype=torch.float32,
-            recompute=recompute, seed=4, dp_group=parallel_state.get_data_parallel_group(),
-            sample_state=None,
-        ).double().train()  # fmt: skip
-        streams = [torch.zeros(17, 3, 64, dtype=torch.float64),
-                   torch.zeros(cfg.context_length, 3, 64, dtype=torch.float64)]  # fmt: skip
+        module = (
+            build_pipeline(
+                cfg,
+                CLIPLossConfig(),
+                tensor_parallel=1,
+                pipeline_parallel=2,
+                dtype=torch.float32,
+                recompute=recompute,
+                seed=4,
+                dp_group=parallel_state.get_data_parallel_group(),
+                sample_state=None,
+            )
+            .double()
+            .train()
+        )
+        streams = [
+            torch.zeros(17, 3, 64, dtype=torch.float64),
+            torch.zeros(cfg.context_length, 3, 64, dtype=torch.float64),
+        ]
         with SavedBytes() as saved:
             if stage == 0:
                 streams = module((images, tokens, lengths))[:2]
@@ -326,8 +338,6 @@ def _clip_pipeline(cfg: CLIPModelConfig, modes: dict) -> dict:
 
 
 def _clip_reference(cfg: CLIPModelConfig) -> dict:
-    from megatron.core import parallel_state
-
     from megatron_tempnet.compat import apply_cpu_support
     from megatron_tempnet.models.clip.towers import CLIPModel
 
@@ -361,15 +371,30 @@ def test_clip_pipeline_stages_recompute_each_towers_layers():
     [
         ({"recompute_granularity": "full"}, "full needs --recompute-method"),
         ({"recompute_granularity": "full", "recompute_method": "block"}, "--recompute-num-layers"),
-        ({"recompute_granularity": "full", "recompute_method": "uniform",
-          "recompute_num_layers": 0}, "--recompute-num-layers (0) must be >= 1"),
-        ({"recompute_granularity": "selective", "recompute_method": "uniform"},
-         "--recompute-method and --recompute-num-layers are for --recompute-granularity full"),
+        (
+            {
+                "recompute_granularity": "full",
+                "recompute_method": "uniform",
+                "recompute_num_layers": 0,
+            },
+            "--recompute-num-layers (0) must be >= 1",
+        ),
+        (
+            {"recompute_granularity": "selective", "recompute_method": "uniform"},
+            "--recompute-method and --recompute-num-layers are for --recompute-granularity full",
+        ),
         ({"recompute_method": "block", "recompute_num_layers": 1}, "need --recompute-granularity"),
-        ({"recompute_activations": True, "recompute_granularity": "full",
-          "recompute_method": "block", "recompute_num_layers": 1}, "contradicts"),
+        (
+            {
+                "recompute_activations": True,
+                "recompute_granularity": "full",
+                "recompute_method": "block",
+                "recompute_num_layers": 1,
+            },
+            "contradicts",
+        ),
     ],
-)  # fmt: skip
+)
 def test_recompute_flag_checks(flags, message):
     config = RunConfig(training=TrainingConfig(train_iters=1, **flags))
     config.optimizer.lr = 1e-3

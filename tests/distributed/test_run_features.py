@@ -21,11 +21,12 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.run_flags import MOCK_RUN
 
-BASE = ["--model", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
-        "100", "--train-iters", "5", "--lr", "1e-3", "--micro-batch-size", "4"]  # fmt: skip
+BASE = [*MOCK_RUN, "--micro-batch-size", "4"]
 
 
 def _config(*argv: str):
@@ -45,15 +46,14 @@ def _timeout(group) -> timedelta:
 
 
 def _timeouts(minutes: int) -> list[timedelta]:
-    from megatron.core import parallel_state
-
     from megatron_tempnet.trainer.engine import init_process_groups
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     config = _config("--distributed-timeout-minutes", str(minutes))
     dist.destroy_process_group()  # the harness's: init_process_groups makes the run's own
     init_process_groups(config)
@@ -126,8 +126,9 @@ def test_micro_batch_gradients_add_up_in_float32_under_bf16(reduce_in_bf16):
     assert [g.dtype for g in out["accumulated"]] == [dtype] * 4
     assert all(torch.equal(g, e) for g, e in zip(out["accumulated"], expected))
     # the two sums differ: bfloat16 drops the low bits float32 keeps
-    rounded = sum(int((a.float() != b).sum()) for a, b in zip(out["bfloat16_sum"],
-                                                                out["float32_sum"]))  # fmt: skip
+    rounded = sum(
+        int((a.float() != b).sum()) for a, b in zip(out["bfloat16_sum"], out["float32_sum"])
+    )
     assert rounded > 100
 
 
@@ -141,13 +142,17 @@ def _load_flags(save_dir: str, empty_dir: str) -> dict:
     config = _config()
     init_process_groups(config)
     module = torch.nn.Linear(4, 4)
-    model = TrainModel(module, decay_groups("lm", module.parameters(), 1e-3, 0.0, 0.0),
-                       tensor_layout=TensorLayout(100, 100))  # fmt: skip
+    model = TrainModel(
+        module,
+        decay_groups("lm", module.parameters(), 1e-3, 0.0, 0.0),
+        tensor_layout=TensorLayout(100, 100),
+    )
     engine, _ = build_engine(model, config, 1)
 
     def checkpointer(**flags) -> Checkpointer:
-        run = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint,
-                                                                         **flags))  # fmt: skip
+        run = dataclasses.replace(
+            config, checkpoint=dataclasses.replace(config.checkpoint, **flags)
+        )
         return Checkpointer(engine, model, run)
 
     torch.manual_seed(11)

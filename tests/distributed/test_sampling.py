@@ -42,7 +42,7 @@ def dense_top_p(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def _choose(tp: int, config: dict, draws: int, tau: list[float]):
     from megatron_tempnet.distributed.groups import TPGroup
-    from megatron_tempnet.inference.sampling import SamplingConfig, TokenChooser
+    from megatron_tempnet.inference.token_sampling import SamplingConfig, TokenChooser
 
     group = torch.distributed.new_group(list(range(tp)))
     rank = torch.distributed.get_rank()
@@ -76,11 +76,14 @@ def test_greedy_top_k_top_p_match_dense_references(tp):
     scaled = _logits()[:, :VOCAB] / torch.tensor(TAU)[:, None]
     greedy, _ = run_distributed(_choose, world_size=tp, args=(tp, {"greedy": True}, 1, TAU))[0]
     assert torch.equal(greedy[0], scaled.argmax(-1))
-    for config, want in [({"greedy": False, "top_k": 5}, dense_top_k(scaled, 5)),
-                         ({"greedy": False, "top_p": 0.6}, dense_top_p(scaled, 0.6)),
-                         ({"greedy": False, "top_k": 10, "top_p": 0.8},
-                          dense_top_p(scaled.masked_fill(~dense_top_k(scaled, 10), -torch.inf),
-                                      0.8))]:  # fmt: skip
+    for config, want in [
+        ({"greedy": False, "top_k": 5}, dense_top_k(scaled, 5)),
+        ({"greedy": False, "top_p": 0.6}, dense_top_p(scaled, 0.6)),
+        (
+            {"greedy": False, "top_k": 10, "top_p": 0.8},
+            dense_top_p(scaled.masked_fill(~dense_top_k(scaled, 10), -torch.inf), 0.8),
+        ),
+    ]:
         results = run_distributed(_choose, world_size=tp, args=(tp, config, 50, TAU))
         samples, kept = results[0]
         assert torch.equal(kept, want), config

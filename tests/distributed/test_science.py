@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from tests.helpers.distributed import run_distributed
 
@@ -46,7 +47,6 @@ def _train(params, loss_fn, steps: int, lr: float, rng) -> None:
 
 def _lm_then_tempnets(rhos: tuple[float, ...]):
     """Setting (iii): an LM trained with cross-entropy, frozen; a TempNet learned per rho."""
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_tempnet.compat import apply_cpu_support
@@ -63,12 +63,17 @@ def _lm_then_tempnets(rhos: tuple[float, ...]):
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
     cfg = ModelConfig.from_preset(
-        "tiny", vocab_size=V, seq_length=SEQ, max_position_embeddings=SEQ,
+        "tiny",
+        vocab_size=V,
+        seq_length=SEQ,
+        max_position_embeddings=SEQ,
         make_vocab_size_divisible_by=V,
-    )  # fmt: skip
+    )
     lm = build_gpt_model(cfg, seed=0)
-    ce = lambda x, pos, y: temperature_scaled_cross_entropy(lm(x, pos), y, 1.0,  # noqa: E731
-                                                            vocab_size=V)  # fmt: skip
+
+    def ce(x, pos, y):
+        return temperature_scaled_cross_entropy(lm(x, pos), y, 1.0, vocab_size=V)
+
     _train(lm.parameters(), ce, 300, 3e-3, np.random.default_rng(1))
     lm.requires_grad_(False)
     test = _sequences(np.random.default_rng(2), 64)
@@ -77,8 +82,9 @@ def _lm_then_tempnets(rhos: tuple[float, ...]):
     results = {}
     for rho in rhos:
         torch.manual_seed(1)
-        tempnet = TempNetLM(V, hidden_size=32, proj_size=32, tau_min=0.05, tau_max=2.0,
-                            padded_vocab_size=V)  # fmt: skip
+        tempnet = TempNetLM(
+            V, hidden_size=32, proj_size=32, tau_min=0.05, tau_max=2.0, padded_vocab_size=V
+        )
 
         def dro(x, pos, y, tempnet=tempnet, rho=rho):
             logits = lm(x, pos)

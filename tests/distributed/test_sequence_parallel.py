@@ -15,28 +15,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_tempnet.models.gpt import ModelConfig
 from tests.helpers.distributed import run_distributed
-from tests.helpers.shapes import LLAMA_SHAPE
+from tests.helpers.shapes import parity_model
 
 SEQ, BATCH, VOCAB = 16, 2, 200
 CHUNK = 7  # tokens per chunk of the fused output stage (gathered from both TP ranks: 6)
 
 
 def _model(arch: str, **kw) -> ModelConfig:
-    """Tiny GPT-2 or LLaMA shapes, without dropout (parity needs the same function)."""
-    shape = dict(
-        vocab_size=VOCAB,
-        seq_length=SEQ,
-        max_position_embeddings=SEQ,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        openai_gelu=arch == "gpt2",
-    )
-    if arch == "llama":
-        shape.update(LLAMA_SHAPE, ffn_hidden_size=128)
-    return ModelConfig.from_preset("tiny", **{**shape, **kw})
+    return parity_model(arch, SEQ, VOCAB, llama_ffn=128, **kw)
 
 
 def _tokens(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,8 +36,6 @@ def _tokens(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _setup_tp() -> int:
-    from megatron.core import parallel_state
-
     from megatron_tempnet.compat import apply_cpu_support
 
     apply_cpu_support()
@@ -193,8 +181,6 @@ def _train(case: dict, save_dir: str | None) -> dict:
     """``ITERS`` iterations of ``case`` at constant learning rate, then one validation pass:
     per iteration the logged metrics and gradient norm, the last micro-batch's taus, and this
     rank's weights after the last step."""
-    from megatron.core import parallel_state
-
     from megatron_tempnet.models.gpt.pipeline import pipeline_evaluate
     from megatron_tempnet.models.gpt.step import evaluate
     from megatron_tempnet.models.gpt.task import GPTTask

@@ -25,12 +25,15 @@ def _inputs(dtype=torch.float32):
     return logits, target
 
 
+def _tempnet(**kw) -> TempNetLM:
+    """The TempNet of these tests (hidden size 32, projection 16) on the padded vocabulary."""
+    return TempNetLM(VOCAB, hidden_size=32, proj_size=16, padded_vocab_size=PADDED, **kw)
+
+
 def _train_one_step(dtype):
     rank, tp = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the default RNG: identical on every TP rank
-    net = TempNetLM(
-        VOCAB, hidden_size=32, proj_size=16, padded_vocab_size=PADDED, tp_group=dist.group.WORLD
-    ).to(dtype)
+    net = _tempnet(tp_group=dist.group.WORLD).to(dtype)
     if dtype == torch.float64:
         optimizer = torch.optim.AdamW(
             net.parameters(), lr=1e-2, betas=(0.9, 0.999), weight_decay=0.1
@@ -100,8 +103,7 @@ def test_logits_gradient_is_the_loss_gradient_only(by_tp):
 
 def test_checkpoint_saved_at_tp4_loads_at_tp1(by_tp):
     state = by_tp[4][0]["state"]
-    net = TempNetLM(VOCAB, hidden_size=32, proj_size=16, padded_vocab_size=PADDED)
-    net = net.to(state["weight1"].dtype)
+    net = _tempnet().to(state["weight1"].dtype)
     net.load_state_dict(state)
     logits, _ = _inputs(state["weight1"].dtype)
     assert_close(net(logits), by_tp[4][0]["tau_after"], 1e-6, "tau after reload at TP=1")
@@ -110,8 +112,7 @@ def test_checkpoint_saved_at_tp4_loads_at_tp1(by_tp):
 def _no_stop_grad_logits_gradient():
     rank, tp = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    net = TempNetLM(VOCAB, hidden_size=32, proj_size=16, padded_vocab_size=PADDED,
-                    tp_group=dist.group.WORLD, stop_grad=False).double()  # fmt: skip
+    net = _tempnet(tp_group=dist.group.WORLD, stop_grad=False).double()
     logits, _ = _inputs(torch.float64)
     width = PADDED // tp
     local = logits[..., rank * width : (rank + 1) * width].clone().requires_grad_()

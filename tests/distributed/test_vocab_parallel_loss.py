@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core import parallel_state
 
 from megatron_tempnet.losses import (
     optimal_tau,
@@ -117,7 +118,6 @@ def test_values_and_gradients_equal_dense_reference(tp, kind):
 
 
 def _tau_one_against_megatron():
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from megatron_tempnet.compat import apply_cpu_support

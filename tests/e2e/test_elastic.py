@@ -38,8 +38,17 @@ def runs(corpus, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("elastic")
     straight, half = tmp / "straight", tmp / "half"
     for d, flags in ((straight, {}), (half, {"exit-interval": 5})):
-        _pretrain(4, _args(corpus, tmp, **SAVED, **NO_EVAL, **flags, **{
-            "save": d, "metrics-file": d / "m.jsonl"}))  # fmt: skip
+        _pretrain(
+            4,
+            _args(
+                corpus,
+                tmp,
+                **SAVED,
+                **NO_EVAL,
+                **flags,
+                **{"save": d, "metrics-file": d / "m.jsonl"},
+            ),
+        )
     return {"straight": straight, "half": half, "tmp": tmp}
 
 
@@ -86,8 +95,16 @@ def test_a_checkpoint_resumes_at_another_layout_exactly(runs, corpus, tmp_path, 
     nproc, flags = RESUME_AT[layout]
     run = tmp_path / "run"
     shutil.copytree(runs["half"], run)
-    out = _pretrain(nproc, _args(corpus, runs["tmp"], **NO_EVAL, **flags, **{
-        "load": run, "save": run, "metrics-file": tmp_path / "m.jsonl"}))  # fmt: skip
+    out = _pretrain(
+        nproc,
+        _args(
+            corpus,
+            runs["tmp"],
+            **NO_EVAL,
+            **flags,
+            **{"load": run, "save": run, "metrics-file": tmp_path / "m.jsonl"},
+        ),
+    )
     assert "resharded from TP 2 x PP 1 x DP 2 (ZeRO 1) to" in out.stderr
     assert "RNG streams are not carried across a layout change" in out.stderr
     _assert_same_curve(_curve(tmp_path / "m.jsonl"), _curve(runs["straight"] / "m.jsonl"), 6)
@@ -99,9 +116,21 @@ def test_finetune_reads_a_checkpoint_of_another_layout(runs, corpus, tmp_path):
     curves = []
     for nproc, flags in ((4, SAVED), (1, {"zero-stage": 0})):
         metrics = tmp_path / f"{nproc}.jsonl"
-        out = _pretrain(nproc, _args(corpus, runs["tmp"], **NO_EVAL, **flags, **{
-            "load": runs["half"], "finetune": True, "train-iters": 2,
-            "metrics-file": metrics}))  # fmt: skip
+        out = _pretrain(
+            nproc,
+            _args(
+                corpus,
+                runs["tmp"],
+                **NO_EVAL,
+                **flags,
+                **{
+                    "load": runs["half"],
+                    "finetune": True,
+                    "train-iters": 2,
+                    "metrics-file": metrics,
+                },
+            ),
+        )
         # the weights are read (layout-free) at either layout: not two runs from scratch
         assert f"loaded weights from {runs['half'] / 'iter_0000005'} (--finetune --load)" in (
             out.stderr
@@ -118,8 +147,17 @@ def frozen_runs(corpus, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("frozen")
     trained = tmp / "trained"
-    _pretrain(1, _args(corpus, tmp, **NO_EVAL, save=trained, loss="ce", **{
-        "tau-source": "fixed", "train-iters": 2}))  # fmt: skip
+    _pretrain(
+        1,
+        _args(
+            corpus,
+            tmp,
+            **NO_EVAL,
+            save=trained,
+            loss="ce",
+            **{"tau-source": "fixed", "train-iters": 2},
+        ),
+    )
     reader = CheckpointReader(str(trained))
     lm = tmp / "lm"
     write_checkpoint(str(lm), reader.model, reader.full, tensor_parallel=2)
@@ -129,9 +167,23 @@ def frozen_runs(corpus, tmp_path_factory):
 
 
 def _frozen(corpus, tmp, nproc, run, lm, flags):
-    return _pretrain(nproc, _args(corpus, tmp, **NO_EVAL, **flags, **{
-        "freeze-lm": True, "pretrained-checkpoint": lm, "load": run, "save": run,
-        "train-iters": 6, "metrics-file": run / "m.jsonl"}))  # fmt: skip
+    return _pretrain(
+        nproc,
+        _args(
+            corpus,
+            tmp,
+            **NO_EVAL,
+            **flags,
+            **{
+                "freeze-lm": True,
+                "pretrained-checkpoint": lm,
+                "load": run,
+                "save": run,
+                "train-iters": 6,
+                "metrics-file": run / "m.jsonl",
+            },
+        ),
+    )
 
 
 @pytest.mark.parametrize(
@@ -169,9 +221,24 @@ def test_a_zero3_checkpoint_exports_like_a_zero1_one(runs, corpus, tmp_path):
     from tests.helpers.hf_models import load_hf
 
     zero3 = tmp_path / "zero3"
-    _pretrain(4, _args(corpus, runs["tmp"], **NO_EVAL, **{
-        "tensor-model-parallel-size": 2, "zero-stage": 3, "load": runs["half"], "finetune": True,
-        "train-iters": 1, "lr": 0.0, "min-lr": 0.0, "save": zero3}))  # fmt: skip
+    _pretrain(
+        4,
+        _args(
+            corpus,
+            runs["tmp"],
+            **NO_EVAL,
+            **{
+                "tensor-model-parallel-size": 2,
+                "zero-stage": 3,
+                "load": runs["half"],
+                "finetune": True,
+                "train-iters": 1,
+                "lr": 0.0,
+                "min-lr": 0.0,
+                "save": zero3,
+            },
+        ),
+    )
     # ZeRO-3's partitions saved the same weights as ZeRO 1's fragments
     zero1_weights = global_tensors(runs["half"], prefix="weight/")
     _assert_same_tensors(global_tensors(zero3, prefix="weight/"), zero1_weights)
@@ -221,8 +288,11 @@ def test_bad_checkpoints_stop_with_what_is_wrong_and_save_nothing(runs, corpus, 
         (tag / "shards" / "rank00001.bin").unlink()
         message = f"{tag / 'shards' / 'rank00001.bin'} is missing (recorded in COMPLETE)"
     before = _listing(run)
-    out = _pretrain(nproc, _args(corpus, runs["tmp"], **NO_EVAL, **flags, **{
-        "load": run, "save": run}), check=False)  # fmt: skip
+    out = _pretrain(
+        nproc,
+        _args(corpus, runs["tmp"], **NO_EVAL, **flags, **{"load": run, "save": run}),
+        check=False,
+    )
     assert out.returncode != 0
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert errors and message in errors[0], out.stderr[-3000:]

@@ -368,9 +368,23 @@ def test_the_real_lm_example_runs_on_a_small_file(converted, tmp_path):
     import subprocess
 
     out = tmp_path / "rl"
-    cmd = [sys.executable, os.path.join(REPO, "examples", "real_lm.py"), "--out", str(out),
-           "--gguf", str(converted["files"]["gqa"]), "--iters", "4", "--seq-length", "32",
-           "--runs", "dro", "ts-ce", "--max-heldout", "3"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "examples", "real_lm.py"),
+        "--out",
+        str(out),
+        "--gguf",
+        str(converted["files"]["gqa"]),
+        "--iters",
+        "4",
+        "--seq-length",
+        "32",
+        "--runs",
+        "dro",
+        "ts-ce",
+        "--max-heldout",
+        "3",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     difference = re.search(r"largest per-token difference ([\d.e+-]+) nats", r.stdout)

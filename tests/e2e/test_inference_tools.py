@@ -15,42 +15,50 @@ import sys
 import pytest
 import torch
 
-from tests.e2e.test_hf_interop import ENV, REPO, convert, tool
-from tests.helpers.corpus import blend_corpus, pydoc_documents
+from tests.e2e.test_hf_interop import ENV, REPO, convert, corpus_run_args, model_args, tool
+from tests.helpers.corpus import blend_corpus, pydoc_documents, tokenizer_flags
 from tests.helpers.distributed import run_distributed
-from tests.helpers.entry_points import run_command
+from tests.helpers.entry_points import cli_flags, run_command, run_entry_point
 from tests.helpers.hf_models import load_hf, save_hf_gpt2, save_hf_llama
 from tests.helpers.reference import dro_dtau_reference
 
 
 def _train(setup, ckpt, out, nproc: int, iters: int, extra: list[str] = ()) -> None:
-    spec = setup["corpus"]["spec"]
-    with open(os.path.join(ckpt, "model_flags.txt")) as f:
-        model_flags = f.read().split()
     args = [
-        *model_flags, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", spec["vocab_file"],
-        "--merge-file", spec["merge_file"], "--data-path", setup["corpus"]["prefix"]["A"],
-        "--split", "90,8,2", "--seq-length", "32", "--micro-batch-size", "2",
-        "--global-batch-size", "4", "--train-iters", str(iters), "--eval-interval", "0",
-        "--tempnet-hidden-size", "32", "--tempnet-proj-size", "32", "--tempnet-rho", "4",
-        "--lr", "3e-3", "--data-cache-path", str(setup["dir"] / "cache"), "--freeze-lm",
-        "--pretrained-checkpoint", ckpt, "--load", str(out), "--save", str(out),
-        "--tensor-model-parallel-size", str(nproc),
+        *model_args(ckpt),
+        *corpus_run_args(setup, iters, 32),
+        "--lr",
+        "3e-3",
+        "--freeze-lm",
+        "--pretrained-checkpoint",
+        ckpt,
+        "--load",
+        str(out),
+        "--save",
+        str(out),
+        "--tensor-model-parallel-size",
+        str(nproc),
         # HF GPT-2's dropout (0.1, in model_flags.txt) would draw other masks at each TP size
-        "--hidden-dropout", "0", "--attention-dropout", "0", *extra,
-    ]  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", os.path.join(REPO, "pretrain_gpt.py"), *args]  # fmt: skip
-    r = run_command(cmd, env=ENV, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        *extra,
+    ]
+    run_entry_point("pretrain_gpt.py", nproc, args, env=ENV)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("inference")
     corpus = blend_corpus(str(d), vocab_size=500)
-    s = {"dir": d, "corpus": corpus, "tokenizer": corpus["tokenizer"], "vocab": 500,
-         "llama": save_hf_llama(str(d), 500)}  # fmt: skip
+    s = {
+        "dir": d,
+        "corpus": corpus,
+        "tokenizer": corpus["tokenizer"],
+        "vocab": 500,
+        "llama": save_hf_llama(str(d), 500),
+    }
     s["ckpt"] = convert(s["llama"], d / "llama-tp2", tp=2)
     _train(s, s["ckpt"], d / "run", nproc=2, iters=20)
     s["run"] = str(d / "run")
@@ -63,8 +71,10 @@ def reference_tau(logits: torch.Tensor, tempnet_dir: str, tau_max: float | None 
     """docs/design.md §2 in float64 from the exported file: logits [n, >= V] -> tau [n]."""
     from safetensors.torch import load_file
 
-    w = {k: v.double() for k, v in load_file(os.path.join(tempnet_dir, "tempnet.safetensors"))
-         .items()}  # fmt: skip
+    w = {
+        k: v.double()
+        for k, v in load_file(os.path.join(tempnet_dir, "tempnet.safetensors")).items()
+    }
     with open(os.path.join(tempnet_dir, "tempnet_config.json")) as f:
         c = json.load(f)
     L = logits[:, : c["vocab_size"]].double()
@@ -100,10 +110,17 @@ def test_exported_tempnet_is_the_same_network_at_tp1_and_tp4(setup, tmp_path):
     for c in configs:
         c["trained_with"].pop("checkpoint")
     assert configs[0] == configs[1]
-    assert {k: configs[0][k] for k in ("vocab_size", "d1", "d2", "tau0", "tau_max",
-                                       "input_normalization")} == {
-        "vocab_size": 500, "d1": 32, "d2": 32, "tau0": 0.001, "tau_max": 2.0,
-        "input_normalization": "l2"}  # fmt: skip
+    assert {
+        k: configs[0][k]
+        for k in ("vocab_size", "d1", "d2", "tau0", "tau_max", "input_normalization")
+    } == {
+        "vocab_size": 500,
+        "d1": 32,
+        "d2": 32,
+        "tau0": 0.001,
+        "tau_max": 2.0,
+        "input_normalization": "l2",
+    }
     assert initial.abs().sum() > 0
 
 
@@ -116,9 +133,19 @@ def _our_tau(run: str, tokens: torch.Tensor):
     return logits, model.tempnet(logits)
 
 
-def test_logits_processor_gives_our_tau_and_drives_hf_generate(setup, tmp_path):
+def _hf_generate(hf, prompt, new_tokens: int, processor=None, **kw):
+    """transformers' ``generate``: ``new_tokens`` after ``prompt`` (pad id 0), greedy unless
+    ``kw`` says otherwise, through the logits ``processor`` when one is given."""
     from transformers import LogitsProcessorList
 
+    processors = None if processor is None else LogitsProcessorList([processor])
+    kw = {"do_sample": False, **kw}
+    return hf.generate(
+        prompt, max_new_tokens=new_tokens, pad_token_id=0, logits_processor=processors, **kw
+    )
+
+
+def test_logits_processor_gives_our_tau_and_drives_hf_generate(setup, tmp_path):
     from megatron_tempnet.inference.hf import TempNetLogitsProcessor
 
     tokens = torch.randint(0, 500, (1, 20), generator=torch.Generator().manual_seed(1))
@@ -139,35 +166,34 @@ def test_logits_processor_gives_our_tau_and_drives_hf_generate(setup, tmp_path):
 
     prompt = torch.tensor([setup["tokenizer"].tokenize("The module")])
     processor.reset()
-    plain = hf.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    with_tau = hf.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0,
-                           logits_processor=LogitsProcessorList([processor]))  # fmt: skip
+    plain = _hf_generate(hf, prompt, 6)
+    with_tau = _hf_generate(hf, prompt, 6, processor)
     assert torch.equal(plain, with_tau)  # dividing by tau > 0 keeps the argmax
     assert processor.taus.shape == (1, 6)
     # transformers' own processors run first: min_new_tokens sets the end token's score to -inf,
     # which must not make TempNet's input (and every score) NaN
     floor = TempNetLogitsProcessor(setup["tempnet"])
-    at_least = hf.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                           pad_token_id=0,
-                           logits_processor=LogitsProcessorList([floor]))  # fmt: skip
+    at_least = _hf_generate(hf, prompt, 6, floor, min_new_tokens=6)
     assert torch.equal(at_least, with_tau) and bool(floor.taus.isfinite().all())
     # tools/generate.py on our checkpoint: the same greedy tokens and the same taus
     (tmp_path / "p.txt").write_text("The module\n")
-    tool("generate.py", "--load", setup["run"], "--prompts", tmp_path / "p.txt", "--output",
-         tmp_path / "g.jsonl", "--max-new-tokens", 6, "--ignore-eod")  # fmt: skip
+    tool(
+        "generate.py",
+        "--load",
+        setup["run"],
+        "--prompts",
+        tmp_path / "p.txt",
+        "--output",
+        tmp_path / "g.jsonl",
+        "--max-new-tokens",
+        6,
+        "--ignore-eod",
+    )
     record = json.loads((tmp_path / "g.jsonl").read_text())
     assert record["token_ids"] == with_tau[0, prompt.shape[1] :].tolist()
     torch.testing.assert_close(torch.tensor(record["tau"]), processor.taus[0], rtol=0, atol=1e-5)
     processor.reset()
-    sampled = hf.generate(
-        prompt,
-        max_new_tokens=6,
-        do_sample=True,
-        top_p=0.9,
-        temperature=1.0,
-        pad_token_id=0,
-        logits_processor=LogitsProcessorList([processor]),
-    )
+    sampled = _hf_generate(hf, prompt, 6, processor, do_sample=True, top_p=0.9, temperature=1.0)
     assert sampled.shape == (1, prompt.shape[1] + 6) and processor.taus.shape == (1, 6)
 
 
@@ -217,27 +243,28 @@ def test_generate_tool_is_the_same_at_tp1_and_tp2(setup, tmp_path):
         one = _generate(setup, tmp_path, "one", 1, *mode)
         two = _generate(setup, tmp_path, "two", 2, *mode, "--micro-batch-size", 2)
         if mode == ["--seed", 1]:
-            alone = _generate(setup, tmp_path, "alone", 1, "--micro-batch-size", 1,
-                              "--no-kv-cache")  # fmt: skip
+            alone = _generate(setup, tmp_path, "alone", 1, "--micro-batch-size", 1, "--no-kv-cache")
             assert [r["token_ids"] for r in alone] == [r["token_ids"] for r in one]
             for p, record in zip(prompts, one):
                 ids = torch.tensor([setup["tokenizer"].tokenize(p)])
-                want = hf.generate(ids, max_new_tokens=12, do_sample=False,
-                                   pad_token_id=0)[0, ids.shape[1] :].tolist()  # fmt: skip
+                want = _hf_generate(hf, ids, 12)[0, ids.shape[1] :].tolist()
                 # (HF stops at its end token, 0; ours ran on with --ignore-eod)
                 assert record["token_ids"][: len(want)] == want and len(want) >= 4, p
         assert [r["prompt"] for r in one] == prompts
         for a, b in zip(one, two):
             assert a["token_ids"] == b["token_ids"], mode
             assert len(a["tau"]) == len(a["token_ids"]) == 12
-            torch.testing.assert_close(torch.tensor(a["tau"]), torch.tensor(b["tau"]),
-                                       rtol=0, atol=1e-6)  # fmt: skip
+            torch.testing.assert_close(
+                torch.tensor(a["tau"]), torch.tensor(b["tau"]), rtol=0, atol=1e-6
+            )
             assert a["response"] == setup["tokenizer"].detokenize(a["token_ids"])
             # a character split over byte-level pieces is the text of the piece completing it
             assert "".join(a["tokens"]) == a["response"]
     sampled = _generate(setup, tmp_path, "s", 1, "--sample", "--seed", 5)
-    assert sampled[0]["token_ids"] != _generate(setup, tmp_path, "s2", 1, "--sample", "--seed",
-                                                6)[0]["token_ids"]  # fmt: skip
+    assert (
+        sampled[0]["token_ids"]
+        != _generate(setup, tmp_path, "s2", 1, "--sample", "--seed", 6)[0]["token_ids"]
+    )
     capped = _generate(setup, tmp_path, "cap", 1, "--tau-max-eval", 0.5)
     assert max(t for r in capped for t in r["tau"]) <= 0.5
     fixed = _generate(setup, tmp_path, "fixed", 1, "--fixed-tau", 0.7)
@@ -256,18 +283,28 @@ def test_generate_tool_errors(setup, tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
     (tmp_path / "empty.txt").write_text("\n\n")
     (tmp_path / "long.txt").write_text("word " * 80 + "\n")
-    run("--load", tmp_path / "missing", "--prompts", tmp_path / "ok.txt",
-        expect="--load " + str(tmp_path / "missing"))  # fmt: skip
+    run(
+        "--load",
+        tmp_path / "missing",
+        "--prompts",
+        tmp_path / "ok.txt",
+        expect="--load " + str(tmp_path / "missing"),
+    )
     run("--load", setup["run"], "--prompts", tmp_path / "nope.txt", expect="nope.txt: no such")
     run("--load", setup["run"], "--prompts", tmp_path / "bad.jsonl", expect="bad.jsonl:2")
     run("--load", setup["run"], "--prompts", tmp_path / "empty.txt", expect="no prompts")
     run("--load", setup["run"], "--prompts", tmp_path / "long.txt", expect="positions")
     run("--load", setup["run"], "--prompts", tmp_path / "ok.txt", "--top-p", 0, expect="--top-p")
     run("--load", setup["ckpt"], "--prompts", tmp_path / "ok.txt", expect="no tokenizer saved")
-    spec = setup["corpus"]["spec"]
-    run("--load", setup["ckpt"], "--prompts", tmp_path / "ok.txt", "--tokenizer-type",
-        "GPT2BPETokenizer", "--vocab-file", spec["vocab_file"], "--merge-file", spec["merge_file"],
-        expect="no TempNet in it: give --tempnet or --fixed-tau")  # fmt: skip
+    tokenizer = cli_flags(tokenizer_flags(setup["corpus"]["spec"]))
+    run(
+        "--load",
+        setup["ckpt"],
+        "--prompts",
+        tmp_path / "ok.txt",
+        *tokenizer,
+        expect="no TempNet in it: give --tempnet or --fixed-tau",
+    )
 
 
 def _hf_scores(setup, documents: list[list[int]]):
@@ -293,11 +330,23 @@ def test_evaluate_tllm_perplexity_matches_a_reference(setup, tmp_path):
     results = {}
     for tp in (1, 2):
         launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-        cmd = [sys.executable, *(launcher if tp == 2 else []),
-               os.path.join(REPO, "tools", "evaluate.py"), "--load", setup["run"],
-               "--tensor-model-parallel-size", str(tp), "--jsonl", str(tmp_path / "docs.jsonl"),
-               "--documents", "separate", "--output", str(tmp_path / f"e{tp}.json"),
-               "--per-token-output", str(tmp_path / f"t{tp}.jsonl")]  # fmt: skip
+        cmd = [
+            sys.executable,
+            *(launcher if tp == 2 else []),
+            os.path.join(REPO, "tools", "evaluate.py"),
+            "--load",
+            setup["run"],
+            "--tensor-model-parallel-size",
+            str(tp),
+            "--jsonl",
+            str(tmp_path / "docs.jsonl"),
+            "--documents",
+            "separate",
+            "--output",
+            str(tmp_path / f"e{tp}.json"),
+            "--per-token-output",
+            str(tmp_path / f"t{tp}.jsonl"),
+        ]
         # TP 1 forms the whole logits; TP 2 scores from the hidden states in chunks of 7 tokens
         cmd += ["--no-fused-output-stage"] if tp == 1 else ["--output-stage-chunk-size", "7"]
         r = run_command(cmd, env=ENV, timeout=300)
@@ -307,8 +356,9 @@ def test_evaluate_tllm_perplexity_matches_a_reference(setup, tmp_path):
         results[tp] = json.loads((tmp_path / f"e{tp}.json").read_text())
         rows = [json.loads(x) for x in (tmp_path / f"t{tp}.jsonl").read_text().splitlines()]
         for row, want in zip(rows, per_doc):
-            torch.testing.assert_close(torch.tensor(row["tllm_logprob"], dtype=torch.float64),
-                                       -want, rtol=0, atol=2e-5)  # fmt: skip
+            torch.testing.assert_close(
+                torch.tensor(row["tllm_logprob"], dtype=torch.float64), -want, rtol=0, atol=2e-5
+            )
         taus = torch.tensor([t for row in rows for t in row["tau"]], dtype=torch.float64)
         want_std = taus.std(correction=0).item()
         assert results[tp]["tau_std"] == pytest.approx(want_std, rel=1e-6, abs=1e-9)
@@ -347,19 +397,47 @@ def test_evaluate_scores_with_each_tokens_dro_optimum_beside_tempnet(setup, tmp_
     texts = [t[:80] for t in pydoc_documents(3)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     documents = [setup["tokenizer"].tokenize(t) for t in texts]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(REPO, "tools", "evaluate.py"), "--load", setup["run"],
-           "--tensor-model-parallel-size", "2", "--jsonl", str(tmp_path / "docs.jsonl"),
-           "--documents", "separate", "--tau-source", "newton", "--rho", "3",
-           "--tempnet-tau-max", "1.5", "--output-stage-chunk-size", "5", "--tau-grid", "0.7", "1.3",
-           "--output", str(tmp_path / "e.json"),
-           "--per-token-output", str(tmp_path / "t.jsonl")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        os.path.join(REPO, "tools", "evaluate.py"),
+        "--load",
+        setup["run"],
+        "--tensor-model-parallel-size",
+        "2",
+        "--jsonl",
+        str(tmp_path / "docs.jsonl"),
+        "--documents",
+        "separate",
+        "--tau-source",
+        "newton",
+        "--rho",
+        "3",
+        "--tempnet-tau-max",
+        "1.5",
+        "--output-stage-chunk-size",
+        "5",
+        "--tau-grid",
+        "0.7",
+        "1.3",
+        "--output",
+        str(tmp_path / "e.json"),
+        "--per-token-output",
+        str(tmp_path / "t.jsonl"),
+    ]
     r = run_command(cmd, env=ENV, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((tmp_path / "e.json").read_text())
     rows = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
     assert (summary["tau_source"], summary["rho"], summary["tau_min"], summary["tau_max"]) == (
-        "newton", 3.0, 0.001, 1.5)  # fmt: skip
+        "newton",
+        3.0,
+        0.001,
+        1.5,
+    )
     hf = load_hf(setup["llama"])
     optimum, tempnet, tllm, beside, grid = [], [], [], [], {0.7: [], 1.3: []}
     for doc, row in zip(documents, rows):
@@ -373,12 +451,15 @@ def test_evaluate_scores_with_each_tokens_dro_optimum_beside_tempnet(setup, tmp_
         tllm.append(-scaled)
         for t, values in [(tempnet[-1][:, None], beside), *((t, grid[t]) for t in grid)]:
             values.append(-(logits / t).log_softmax(-1).gather(1, target[:, None])[:, 0])
-        torch.testing.assert_close(torch.tensor(row["tau"], dtype=torch.float64), tau,
-                                   rtol=1e-4, atol=1e-6)  # fmt: skip
-        torch.testing.assert_close(torch.tensor(row["tempnet_tau"], dtype=torch.float64),
-                                   tempnet[-1], rtol=1e-5, atol=1e-6)  # fmt: skip
-        torch.testing.assert_close(torch.tensor(row["tllm_logprob"], dtype=torch.float64),
-                                   scaled, rtol=0, atol=2e-5)  # fmt: skip
+        torch.testing.assert_close(
+            torch.tensor(row["tau"], dtype=torch.float64), tau, rtol=1e-4, atol=1e-6
+        )
+        torch.testing.assert_close(
+            torch.tensor(row["tempnet_tau"], dtype=torch.float64), tempnet[-1], rtol=1e-5, atol=1e-6
+        )
+        torch.testing.assert_close(
+            torch.tensor(row["tllm_logprob"], dtype=torch.float64), scaled, rtol=0, atol=2e-5
+        )
     optimum, tempnet = torch.cat(optimum), torch.cat(tempnet)
     assert 0.001 < optimum.min() < optimum.max() < 1.5  # interior optima, not just the bounds
     assert summary["tllm_ppl"] == pytest.approx(math.exp(torch.cat(tllm).mean().item()), rel=1e-5)
@@ -396,13 +477,31 @@ def test_evaluate_scores_with_each_tokens_dro_optimum_beside_tempnet(setup, tmp_
 def _lm_eval(setup, tmp_path, name: str, nproc: int, *extra) -> tuple[dict, dict]:
     """lm-eval's results and its logged samples by (task, doc id) for the three local tasks."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = [sys.executable, *(launcher if nproc > 1 else []), "-m",
-           "megatron_tempnet.inference.lm_eval_adapter", "run", "--model", "megatron_tempnet",
-           "--model_args", f"load={setup['run']}", "--tasks", "tiny_mc,tiny_roll,tiny_gen",
-           "--include_path", str(tmp_path), "--output_path", str(tmp_path / name),
-           "--log_samples", *extra]  # fmt: skip
-    env = dict(ENV, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
-               HF_DATASETS_CACHE=str(tmp_path / "hf-cache"))  # fmt: skip
+    cmd = [
+        sys.executable,
+        *(launcher if nproc > 1 else []),
+        "-m",
+        "megatron_tempnet.inference.lm_eval_adapter",
+        "run",
+        "--model",
+        "megatron_tempnet",
+        "--model_args",
+        f"load={setup['run']}",
+        "--tasks",
+        "tiny_mc,tiny_roll,tiny_gen",
+        "--include_path",
+        str(tmp_path),
+        "--output_path",
+        str(tmp_path / name),
+        "--log_samples",
+        *extra,
+    ]
+    env = dict(
+        ENV,
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_CACHE=str(tmp_path / "hf-cache"),
+    )
     r = run_command(cmd, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     out = tmp_path / name / "**"
@@ -445,10 +544,11 @@ def test_lm_eval_adapter_scores_local_tasks_the_same_at_tp1_and_tp2(setup, tmp_p
         'doc_to_target: "{{answer}}"\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n'
     )
     (tmp_path / "tiny_roll.yaml").write_text(
-        "task: tiny_roll\n" + head.format(tmp_path / "roll.jsonl")
+        "task: tiny_roll\n"
+        + head.format(tmp_path / "roll.jsonl")
         + 'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
         "metric_list:\n  - metric: word_perplexity\n"
-    )  # fmt: skip
+    )
     (tmp_path / "tiny_gen.yaml").write_text(
         "task: tiny_gen\n" + head.format(tmp_path / "mc.jsonl") + "output_type: generate_until\n"
         'doc_to_text: "{{question}}"\ndoc_to_target: " x"\ngeneration_kwargs:\n'
@@ -470,8 +570,17 @@ def test_lm_eval_adapter_scores_local_tasks_the_same_at_tp1_and_tp2(setup, tmp_p
             assert float(other_value) == pytest.approx(float(value), abs=1e-5), key
     pairs = [it["question"] + c for it in items for c in it["choices"]]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in pairs))
-    tool("evaluate.py", "--load", setup["run"], "--jsonl", tmp_path / "pairs.jsonl",
-         "--documents", "separate", "--per-token-output", tmp_path / "pt.jsonl")  # fmt: skip
+    tool(
+        "evaluate.py",
+        "--load",
+        setup["run"],
+        "--jsonl",
+        tmp_path / "pairs.jsonl",
+        "--documents",
+        "separate",
+        "--per-token-output",
+        tmp_path / "pt.jsonl",
+    )
     rows = [json.loads(x) for x in (tmp_path / "pt.jsonl").read_text().splitlines()]
     for row, text in zip(rows, pairs, strict=True):  # texts for tools/visualize_tau.py
         assert len(row["tokens"]) == len(row["targets"]) == len(row["tau"])
@@ -493,8 +602,12 @@ def _http(port: int, method: str, path: str = "/api", body=None, raw: bytes | No
     import urllib.request
 
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=data,
+        method=method,
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as answer:
             return answer.status, json.loads(answer.read())
@@ -509,19 +622,33 @@ def test_server_answers_requests_at_tp2_and_rejects_bad_ones(setup, tmp_path):
     import subprocess
     import time
 
-    from transformers import LogitsProcessorList
-
     from megatron_tempnet.inference.hf import TempNetLogitsProcessor
     from tests.helpers.entry_points import _free_port
 
     port = _free_port()
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (closed below)
     server = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         os.path.join(REPO, "tools", "serve.py"), "--load", setup["run"],
-         "--tensor-model-parallel-size", "2", "--port", str(port), "--max-prompts", "4"],
-        env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            os.path.join(REPO, "tools", "serve.py"),
+            "--load",
+            setup["run"],
+            "--tensor-model-parallel-size",
+            "2",
+            "--port",
+            str(port),
+            "--max-prompts",
+            "4",
+        ],
+        env=ENV,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         for _ in range(240):
             try:
@@ -533,24 +660,33 @@ def test_server_answers_requests_at_tp2_and_rejects_bad_ones(setup, tmp_path):
         assert status == 200 and info["tensor_model_parallel_size"] == 2 and info["tempnet"]
         tok, hf = setup["tokenizer"], load_hf(setup["llama"])
         prompts = ["The module", "Return the value of the"]
-        status, out = _http(port, "PUT", body={"prompts": prompts, "tokens_to_generate": 5,
-                                               "stop_at_eod": False})  # fmt: skip
+        status, out = _http(
+            port, "PUT", body={"prompts": prompts, "tokens_to_generate": 5, "stop_at_eod": False}
+        )
         assert status == 200, out
         for i, p in enumerate(prompts):
             ids = torch.tensor([tok.tokenize(p)])
             processor = TempNetLogitsProcessor(setup["tempnet"])
-            want = hf.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0,
-                               logits_processor=LogitsProcessorList([processor]))  # fmt: skip
+            want = _hf_generate(hf, ids, 5, processor)
             n = want.shape[1] - ids.shape[1]  # HF stops at its end token (0); the server did not
             assert out["token_ids"][i][:n] == want[0, ids.shape[1] :].tolist() and n >= 3
-            torch.testing.assert_close(torch.tensor(out["tau"][i][:n]), processor.taus[0],
-                                       rtol=0, atol=1e-5)  # fmt: skip
+            torch.testing.assert_close(
+                torch.tensor(out["tau"][i][:n]), processor.taus[0], rtol=0, atol=1e-5
+            )
             assert out["text"][i] == p + out["generated"][i]
             assert out["generated"][i] == tok.detokenize(out["token_ids"][i])
-        status, capped = _http(port, "POST", body={"prompts": prompts[:1], "sample": True,
-                                                   "top_p": 0.9, "random_seed": 3,
-                                                   "tau_max_eval": 0.5,
-                                                   "tokens_to_generate": 8})  # fmt: skip
+        status, capped = _http(
+            port,
+            "POST",
+            body={
+                "prompts": prompts[:1],
+                "sample": True,
+                "top_p": 0.9,
+                "random_seed": 3,
+                "tau_max_eval": 0.5,
+                "tokens_to_generate": 8,
+            },
+        )
         assert status == 200 and max(capped["tau"][0]) <= 0.5 and capped["token_ids"][0]
         long_prompt = "word " * 80
         for kwargs, expect in [
@@ -571,8 +707,9 @@ def test_server_answers_requests_at_tp2_and_rejects_bad_ones(setup, tmp_path):
             assert status == 400 and expect in answer["error"], (kwargs, answer)
         assert "positions" in _http(port, "PUT", body={"prompts": [long_prompt]})[1]["error"]
         assert _http(port, "GET", "/nowhere")[0] == 404
-        status, again = _http(port, "PUT", body={"prompts": prompts, "tokens_to_generate": 5,
-                                                 "stop_at_eod": False})  # fmt: skip
+        status, again = _http(
+            port, "PUT", body={"prompts": prompts, "tokens_to_generate": 5, "stop_at_eod": False}
+        )
         assert status == 200 and again["token_ids"] == out["token_ids"]  # still serving
     finally:  # as Ctrl-C in a terminal: every process of the job gets the signal
         os.killpg(server.pid, signal.SIGINT)

@@ -4,16 +4,15 @@ per-sample state, clear errors for bad flags and bad data."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from megatron_tempnet.models.clip.data.digits import write_digits_dataset
 from tests.helpers import device_rules
 from tests.helpers.checkpoints import (
     checkpoint_path,
@@ -22,7 +21,9 @@ from tests.helpers.checkpoints import (
     train_state,
     weights,
 )
+from tests.helpers.corpus import digits_pairs
 from tests.helpers.entry_points import cli_flags, run_command, run_entry_point
+from tests.helpers.hf_models import hf_clip_config
 from tests.helpers.wandb_run import read_offline_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,16 +32,7 @@ LOSSES = ("clip", "sogclr", "isogclr", "tempnet", "tau")
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
-    import sentencepiece as spm
-
-    out = tmp_path_factory.mktemp("digits")
-    paths = write_digits_dataset(str(out / "data"))
-    with open(paths["train"]) as f:
-        captions = [line.rsplit(",", 1)[0].split(",", 1)[1] for line in f.readlines()[1:]]
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(captions + ["random"]), model_prefix=str(out / "sp"),
-        vocab_size=64, model_type="word", hard_vocab_limit=False, minloglevel=2,
-    )  # fmt: skip
+    paths = digits_pairs(str(tmp_path_factory.mktemp("digits")), "data")
     # 48 training pairs: 6 global batches of 8 per epoch, so the per-sample state is read back
     # (second epoch) within the tests' 10-20 iterations
     with open(paths["test"]) as f:
@@ -48,32 +40,40 @@ def digits(tmp_path_factory):
     small = os.path.join(os.path.dirname(paths["test"]), "small.csv")
     with open(small, "w") as f:
         f.writelines(lines[:49])
-    return {**paths, "small": small, "tokenizer": str(out / "sp.model")}
+    return {**paths, "small": small}
 
 
 def _args(digits, tmp, **flags) -> list[str]:
     base = {
-        "train-data": digits["small"], "valid-data": digits["test"], "label-key": "label",
-        "tokenizer-type": "SentencePieceTokenizer", "tokenizer-model": digits["tokenizer"],
-        "embed-dim": 32, "vision-hidden-size": 32, "text-hidden-size": 32,
-        "train-iters": 10, "micro-batch-size": 8, "global-batch-size": 8, "log-interval": 1,
-        "eval-interval": 0, "tempnet-proj-size": 16, "lr": 2e-3, "tau-init": 0.03,
-        "tempnet-lr": 1e-3, "isogclr-tau-lr": 0.002, "seed": 5,
-        "metrics-file": str(tmp / "metrics.jsonl"), "image-mean": 0.5, "image-std": 0.5,
+        "train-data": digits["small"],
+        "valid-data": digits["test"],
+        "label-key": "label",
+        "tokenizer-type": "SentencePieceTokenizer",
+        "tokenizer-model": digits["tokenizer"],
+        "embed-dim": 32,
+        "vision-hidden-size": 32,
+        "text-hidden-size": 32,
+        "train-iters": 10,
+        "micro-batch-size": 8,
+        "global-batch-size": 8,
+        "log-interval": 1,
+        "eval-interval": 0,
+        "tempnet-proj-size": 16,
+        "lr": 2e-3,
+        "tau-init": 0.03,
+        "tempnet-lr": 1e-3,
+        "isogclr-tau-lr": 0.002,
+        "seed": 5,
+        "metrics-file": str(tmp / "metrics.jsonl"),
+        "image-mean": 0.5,
+        "image-std": 0.5,
         "zeroshot-templates": "a handwritten digit {}",
-    }  # fmt: skip
+    }
     return cli_flags(base, **flags)
 
 
-def _pretrain(
-    nproc: int,
-    args: list[str],
-    check: bool = True,
-    env: dict | None = None,
-    device_rule: str | bool = True,
-) -> subprocess.CompletedProcess:
-    """pretrain_clip.py on ``nproc`` ranks, under the device rule (``run_program``)."""
-    return run_entry_point("pretrain_clip.py", nproc, args, check, env, device_rule)
+_pretrain = functools.partial(run_entry_point, "pretrain_clip.py")
+"""pretrain_clip.py on ``nproc`` ranks, under the device rule (``run_entry_point``)."""
 
 
 def _rows(path) -> list[dict]:
@@ -143,8 +143,18 @@ def test_tp2_equals_tp1(digits, tmp_path, loss):
     one.mkdir(), two.mkdir()
     # the padded vocabulary is 128 in both layouts, so both start from the same weights
     _pretrain(1, _args(digits, one, **{"clip-loss": loss, "make-vocab-size-divisible-by": 128}))
-    _pretrain(2, _args(digits, two, **{"clip-loss": loss, "tensor-model-parallel-size": 2,
-                                       "make-vocab-size-divisible-by": 64}))  # fmt: skip
+    _pretrain(
+        2,
+        _args(
+            digits,
+            two,
+            **{
+                "clip-loss": loss,
+                "tensor-model-parallel-size": 2,
+                "make-vocab-size-divisible-by": 64,
+            },
+        ),
+    )
     _assert_same_curve(_curve(two / "metrics.jsonl"), _curve(one / "metrics.jsonl"), rtol=1e-4)
 
 
@@ -169,8 +179,13 @@ def _tensors(obj, prefix: str = "") -> dict:
     """Every tensor in a loaded checkpoint file, by its path in the nested dicts/lists."""
     if torch.is_tensor(obj):
         return {prefix: obj}
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(
-        obj, list | tuple) else ()  # fmt: skip
+    items = (
+        obj.items()
+        if isinstance(obj, dict)
+        else enumerate(obj)
+        if isinstance(obj, list | tuple)
+        else ()
+    )
     return {k: v for key, value in items for k, v in _tensors(value, f"{prefix}/{key}").items()}
 
 
@@ -209,8 +224,9 @@ def test_pp2_equals_pp1(digits, tmp_path, one_process_curves, loss):
     straight.mkdir(), split.mkdir()
     _pretrain(2, _args(digits, straight, **flags, save=straight / "ckpt"))
     rows, expected = _rows(straight / "metrics.jsonl"), one_process_curves[loss]
-    _assert_same_curve([r for r in rows if "loss" in r], [r for r in expected if "loss" in r],
-                       rtol=1e-4)  # fmt: skip
+    _assert_same_curve(
+        [r for r in rows if "loss" in r], [r for r in expected if "loss" in r], rtol=1e-4
+    )
     final = [[r for r in x if "val_ir@1" in r][0] for x in (rows, expected)]
     for key in ("val_ir@1", "val_tr@5", "val_zeroshot_top1"):
         assert final[0][key] == pytest.approx(final[1][key], abs=0.6), key
@@ -235,8 +251,11 @@ def test_loader_workers_give_the_same_run(digits, tmp_path, one_process_curves):
     training process reading them itself, evaluation included, to the last bit; Weights &
     Biases (offline) records the same numbers."""
     wandb = {"wandb-project": "clip", "wandb-save-dir": tmp_path / "wb"}
-    _pretrain(1, _args(digits, tmp_path, **{**PP_FLAGS, "clip-loss": "tempnet", **wandb}),
-              env={**os.environ, "WANDB_MODE": "offline"})  # fmt: skip
+    _pretrain(
+        1,
+        _args(digits, tmp_path, **{**PP_FLAGS, "clip-loss": "tempnet", **wandb}),
+        env={**os.environ, "WANDB_MODE": "offline"},
+    )
     expected, got = one_process_curves["tempnet"], _rows(tmp_path / "metrics.jsonl")
     run = read_offline_run(str(tmp_path / "wb"))
     assert run["project"] == "clip" and run["config"]["loss"]["clip_loss"] == "tempnet"
@@ -265,8 +284,10 @@ def test_a_pp2_checkpoint_resumes_in_one_process(digits, tmp_path, one_process_c
         "save": tmp_path / "ckpt",
         "load": tmp_path / "ckpt",
     }
-    _pretrain(2, _args(digits, tmp_path, **flags, **{"pipeline-model-parallel-size": 2,
-                                                     "exit-interval": 5}))  # fmt: skip
+    _pretrain(
+        2,
+        _args(digits, tmp_path, **flags, **{"pipeline-model-parallel-size": 2, "exit-interval": 5}),
+    )
     r = _pretrain(1, _args(digits, tmp_path, **flags))
     assert "resharded from TP 1 x PP 2 x DP 1" in r.stdout + r.stderr
     got = _curve(tmp_path / "metrics.jsonl")
@@ -277,17 +298,30 @@ def test_a_pp2_checkpoint_resumes_in_one_process(digits, tmp_path, one_process_c
 @pytest.mark.parametrize("loss", LOSSES)
 def test_tp2_pp2_equals_tp1(digits, tmp_path, one_process_curves, loss):
     """TP 2 x PP 2: the TP 1 curve (the same padded vocabulary of 128)."""
-    _pretrain(4, _args(digits, tmp_path, **PP_FLAGS, **{"clip-loss": loss,
-              "pipeline-model-parallel-size": 2, "tensor-model-parallel-size": 2,
-              "make-vocab-size-divisible-by": 64}))  # fmt: skip
+    _pretrain(
+        4,
+        _args(
+            digits,
+            tmp_path,
+            **PP_FLAGS,
+            **{
+                "clip-loss": loss,
+                "pipeline-model-parallel-size": 2,
+                "tensor-model-parallel-size": 2,
+                "make-vocab-size-divisible-by": 64,
+            },
+        ),
+    )
     rows, expected = _rows(tmp_path / "metrics.jsonl"), one_process_curves[loss]
-    _assert_same_curve([r for r in rows if "loss" in r], [r for r in expected if "loss" in r],
-                       rtol=1e-4)  # fmt: skip
+    _assert_same_curve(
+        [r for r in rows if "loss" in r], [r for r in expected if "loss" in r], rtol=1e-4
+    )
     final = [[r for r in x if "val_ir@1" in r][0] for x in (rows, expected)]
     assert final[0]["val_ir@1"] == pytest.approx(final[1]["val_ir@1"], abs=0.6)
     if "val_tau_image_mean" in final[1]:  # the losses that predict a tau
-        assert final[0]["val_tau_image_mean"] == pytest.approx(final[1]["val_tau_image_mean"],
-                                                               rel=1e-4)  # fmt: skip
+        assert final[0]["val_tau_image_mean"] == pytest.approx(
+            final[1]["val_tau_image_mean"], rel=1e-4
+        )
 
 
 @pytest.mark.parametrize("loss", ["isogclr", "tempnet"])
@@ -295,8 +329,14 @@ def test_gradient_accumulation_at_dp1_equals_dp2(digits, tmp_path, one_process_c
     """Global batch 16 as two contrastive batches of 8 (positions 0-7, then 8-15) whose
     gradients are accumulated: one process with micro-batches of 8 equals DP = 2 with 4 each
     (augmented images: decoded in the training process at DP 1, by loader workers at DP 2)."""
-    _pretrain(2, _args(digits, tmp_path, **{**PP_FLAGS, "clip-loss": loss, "micro-batch-size": 4,
-                                            "valid-data": None}))  # fmt: skip
+    _pretrain(
+        2,
+        _args(
+            digits,
+            tmp_path,
+            **{**PP_FLAGS, "clip-loss": loss, "micro-batch-size": 4, "valid-data": None},
+        ),
+    )
     expected = [r for r in one_process_curves[loss] if "loss" in r]
     _assert_same_curve(_curve(tmp_path / "metrics.jsonl"), expected, rtol=1e-5)
     assert [r["consumed_samples"] for r in expected] == [16 * i for i in range(1, 11)]
@@ -353,8 +393,17 @@ def test_resume_is_exact_with_the_per_sample_state(digits, tmp_path, loss):
     straight, split = tmp_path / "straight", tmp_path / "split"
     straight.mkdir(), split.mkdir()
     _pretrain(2, _args(digits, straight, save=straight / "ckpt", **flags))
-    _pretrain(2, _args(digits, split, save=split / "ckpt", load=split / "ckpt",
-                       **{"exit-interval": 10}, **flags))  # fmt: skip
+    _pretrain(
+        2,
+        _args(
+            digits,
+            split,
+            save=split / "ckpt",
+            load=split / "ckpt",
+            **{"exit-interval": 10},
+            **flags,
+        ),
+    )
     _pretrain(2, _args(digits, split, save=split / "ckpt", load=split / "ckpt", **flags))
     a, b = _curve(straight / "metrics.jsonl"), _curve(split / "metrics.jsonl")
     assert [r["iteration"] for r in b] == list(range(1, 21))
@@ -400,10 +449,15 @@ def test_bad_rows_stop_or_are_counted(digits, tmp_path):
     os.symlink(os.path.join(os.path.dirname(digits["test"]), "images"), tmp_path / "images")
     r = _pretrain(0, _args(digits, tmp_path, **{"train-data": manifest}), check=False)
     assert r.returncode == 1
-    assert re.search(r"bad.csv:4: image .*missing.png does not exist; .*--skip-bad-samples",
-                     r.stderr), r.stderr[-2000:]  # fmt: skip
-    r = _pretrain(0, _args(digits, tmp_path, **{"train-data": manifest, "train-iters": 2,
-                                                "skip-bad-samples": True}))  # fmt: skip
+    assert re.search(
+        r"bad.csv:4: image .*missing.png does not exist; .*--skip-bad-samples", r.stderr
+    ), r.stderr[-2000:]
+    r = _pretrain(
+        0,
+        _args(
+            digits, tmp_path, **{"train-data": manifest, "train-iters": 2, "skip-bad-samples": True}
+        ),
+    )
     assert re.search(r"skipped 1 of 359 pairs; the first: .*bad.csv:4", r.stderr)
 
 
@@ -415,8 +469,7 @@ def test_isogclr_reads_back_its_per_sample_tau(digits, tmp_path):
     curves = {}
     for loss in ("sogclr", "isogclr"):
         (tmp_path / loss).mkdir()
-        _pretrain(1, _args(digits, tmp_path / loss, **{"clip-loss": loss,
-                                                       "isogclr-grad-clip": 0}))  # fmt: skip
+        _pretrain(1, _args(digits, tmp_path / loss, **{"clip-loss": loss, "isogclr-grad-clip": 0}))
         curves[loss] = _curve(tmp_path / loss / "metrics.jsonl")
     for a, b in zip(curves["sogclr"][:6], curves["isogclr"][:6]):  # the first epoch
         assert a["loss"] == b["loss"] and b["tau_min"] == b["tau_max"] == pytest.approx(0.03)
@@ -455,12 +508,19 @@ def test_resume_at_another_data_parallel_size_rekeys_the_state(
     straight, split = tmp_path / "straight", tmp_path / "split"
     straight.mkdir(), split.mkdir()
     batch = {dp: {"micro-batch-size": 8 // dp} for dp in (1, 2)}  # the global batch stays 8
-    _pretrain(saved_dp, _args(digits, straight, save=straight / "ckpt", **flags,
-                              **batch[saved_dp]))  # fmt: skip
-    _pretrain(saved_dp, _args(digits, split, save=split / "ckpt", **{"exit-interval": 5},
-                              **flags, **batch[saved_dp]))  # fmt: skip
-    out = _pretrain(resumed_dp, _args(digits, split, save=split / "ckpt", load=split / "ckpt",
-                                      **flags, **batch[resumed_dp]))  # fmt: skip
+    _pretrain(saved_dp, _args(digits, straight, save=straight / "ckpt", **flags, **batch[saved_dp]))
+    _pretrain(
+        saved_dp,
+        _args(
+            digits, split, save=split / "ckpt", **{"exit-interval": 5}, **flags, **batch[saved_dp]
+        ),
+    )
+    out = _pretrain(
+        resumed_dp,
+        _args(
+            digits, split, save=split / "ckpt", load=split / "ckpt", **flags, **batch[resumed_dp]
+        ),
+    )
     assert f"x DP {saved_dp} (ZeRO 1) to TP 1 x PP 1 x DP {resumed_dp} (ZeRO 1)" in out.stderr
     a, b = _curve(straight / "metrics.jsonl"), _curve(split / "metrics.jsonl")
     assert [r["iteration"] for r in b] == list(range(1, 11))
@@ -482,7 +542,7 @@ def test_pretrained_towers_from_a_hugging_face_clip_at_tp2(digits, tmp_path):
     """convert_clip_to_megatron.py --target-tp 2, then pretrain_clip.py --pretrained-checkpoint at
     TP 2 with the printed flags: the run starts from exactly the converted towers (lr 0), TempNet
     from its initialisation."""
-    from transformers import CLIPConfig, CLIPModel
+    from transformers import CLIPModel
 
     from megatron_tempnet.data.tokenizers import TokenizerConfig
 
@@ -490,35 +550,47 @@ def test_pretrained_towers_from_a_hugging_face_clip_at_tp2(digits, tmp_path):
     spec = TokenizerConfig(
         tokenizer_type="SentencePieceTokenizer", tokenizer_model=digits["tokenizer"]
     )
-    tower = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 hidden_act="quick_gelu")  # fmt: skip
-    config = CLIPConfig(
-        text_config=dict(
-            tower,
-            vocab_size=spec.build().vocab_size,
-            max_position_embeddings=16,
-            eos_token_id=2,
-            bos_token_id=0,
-            pad_token_id=1,
-        ),  # fmt: skip
-        vision_config=dict(tower, image_size=16, patch_size=4, num_channels=1),
-        projection_dim=32,
-    )
+    config = hf_clip_config(32, 4, spec.build().vocab_size, context=16, eos=2, channels=1)
     torch.manual_seed(0)
     CLIPModel(config).save_pretrained(tmp_path / "hf")
     converted = tmp_path / "converted"
     tool = os.path.join(REPO, "tools", "checkpoint", "convert_clip_to_megatron.py")
-    r = run_command([sys.executable, tool,
-                     "--hf-dir", str(tmp_path / "hf"), "--target-tp", "2", "--save", str(converted),
-                     "--make-vocab-size-divisible-by", "64"])  # fmt: skip
+    r = run_command(
+        [
+            sys.executable,
+            tool,
+            "--hf-dir",
+            str(tmp_path / "hf"),
+            "--target-tp",
+            "2",
+            "--save",
+            str(converted),
+            "--make-vocab-size-divisible-by",
+            "64",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     flags = (converted / "model_flags.txt").read_text().split()
     assert "--quick-gelu" in flags and flags[flags.index("--vision-heads") + 1] == "4"
-    args = _args(digits, tmp_path, **{"clip-loss": "tempnet", "tensor-model-parallel-size": 2,
-                 "make-vocab-size-divisible-by": 64, "pretrained-checkpoint": converted,
-                 "train-iters": 1, "lr": 0.0, "tempnet-lr": 0.0, "save": tmp_path / "run",
-                 "load": tmp_path / "run",
-                 "valid-data": None}) + flags  # fmt: skip
+    args = (
+        _args(
+            digits,
+            tmp_path,
+            **{
+                "clip-loss": "tempnet",
+                "tensor-model-parallel-size": 2,
+                "make-vocab-size-divisible-by": 64,
+                "pretrained-checkpoint": converted,
+                "train-iters": 1,
+                "lr": 0.0,
+                "tempnet-lr": 0.0,
+                "save": tmp_path / "run",
+                "load": tmp_path / "run",
+                "valid-data": None,
+            },
+        )
+        + flags
+    )
     r = _pretrain(2, args)
     assert "TempNet starts from its initialisation" in r.stdout + r.stderr
     assert train_state(tmp_path / "run")["layout"]["tensor_parallel"] == 2
@@ -537,7 +609,12 @@ def test_a_steady_iteration_waits_for_the_device_at_most_once(digits, tmp_path, 
     one host synchronisation per rank (the state's rows are chosen by ``where``, its indices
     checked on the host, the losses' scalars are Python numbers)."""
     report = tmp_path / "syncs"
-    flags = {"clip-loss": loss, "micro-batch-size": 4, "train-iters": 8,
-             "log-interval": 4, "eval-interval": 4}  # fmt: skip
+    flags = {
+        "clip-loss": loss,
+        "micro-batch-size": 4,
+        "train-iters": 8,
+        "log-interval": 4,
+        "eval-interval": 4,
+    }
     _pretrain(2, _args(digits, tmp_path, **flags), device_rule=str(report))
     device_rules.assert_steady_syncs(str(report), [2, 3, 5, 6, 7], ranks=2)

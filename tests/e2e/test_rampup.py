@@ -10,26 +10,26 @@ import math
 
 import pytest
 
-from tests.helpers.corpus import blend_corpus
+from tests.helpers.corpus import data_flags
 from tests.helpers.entry_points import cli_flags, run_entry_point
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return blend_corpus(str(tmp_path_factory.mktemp("corpus")), vocab_size=512)
-
-
 def _args(corpus, tmp, **flags) -> list[str]:
-    spec = corpus["spec"]
     base = {
-        "model": "tiny", "seq-length": 32, "max-position-embeddings": 32,
-        "data-path": corpus["prefix"]["A"], "split": "90,8,2",
-        "tokenizer-type": "GPT2BPETokenizer", "vocab-file": spec["vocab_file"],
-        "merge-file": spec["merge_file"], "micro-batch-size": 2, "log-interval": 1,
-        "eval-interval": 0, "loss": "ce", "tau-source": "fixed", "lr": 1e-3,
-        "data-cache-path": str(tmp / "cache"), "seed": 5, "num-workers": 0,
+        "model": "tiny",
+        **data_flags(corpus["spec"], corpus["prefix"]["A"], 32),
+        "max-position-embeddings": 32,
+        "micro-batch-size": 2,
+        "log-interval": 1,
+        "eval-interval": 0,
+        "loss": "ce",
+        "tau-source": "fixed",
+        "lr": 1e-3,
+        "data-cache-path": str(tmp / "cache"),
+        "seed": 5,
+        "num-workers": 0,
         "metrics-file": str(tmp / f"{flags.pop('name')}.jsonl"),
-    }  # fmt: skip
+    }
     ramp = flags.pop("rampup-batch-size", None)  # three values
     return cli_flags(base, **flags) + ([] if ramp is None else ["--rampup-batch-size", *ramp])
 
@@ -48,8 +48,11 @@ BATCHES = [4, 4, 8, 8, 8, 8]  # 40 samples
 def test_a_ramp_equals_its_batches_run_by_hand(corpus, tmp_path):
     constant = {"lr-decay-style": "constant"}
     saves = tmp_path / "ramp"
-    run_entry_point("pretrain_gpt.py", 2, _args(corpus, tmp_path, name="ramp", **RAMP,
-                                                **constant, save=str(saves)))  # fmt: skip
+    run_entry_point(
+        "pretrain_gpt.py",
+        2,
+        _args(corpus, tmp_path, name="ramp", **RAMP, **constant, save=str(saves)),
+    )
     ramp = _rows(tmp_path, "ramp")
     assert [r["global_batch_size"] for r in ramp] == BATCHES
     assert [r["consumed_samples"] for r in ramp] == [4, 8, 16, 24, 32, 40]
@@ -73,15 +76,16 @@ def test_a_run_stopped_mid_ramp_resumes_exactly_on_a_pipeline(corpus, tmp_path):
     iteration 2 (before the batch grows) and resumed: the same batches, data, losses and
     learning rates (warm-up over 12 samples, then cosine over the run's 40)."""
     schedule = {"lr-decay-style": "cosine", "lr-warmup-samples": 12, "min-lr": 1e-4}
-    run_entry_point("pretrain_gpt.py", 2, _args(corpus, tmp_path, name="whole", **RAMP,
-                                                **schedule))  # fmt: skip
+    run_entry_point("pretrain_gpt.py", 2, _args(corpus, tmp_path, name="whole", **RAMP, **schedule))
     whole = _rows(tmp_path, "whole")
     assert [r["global_batch_size"] for r in whole] == BATCHES
     pp = {"pipeline-model-parallel-size": 2, "save": str(tmp_path / "pp"), **RAMP, **schedule}
-    run_entry_point("pretrain_gpt.py", 2, _args(corpus, tmp_path, name="part1", **pp,
-                                                **{"exit-interval": 2}))  # fmt: skip
-    run_entry_point("pretrain_gpt.py", 2, _args(corpus, tmp_path, name="part2", **pp,
-                                                load=str(tmp_path / "pp")))  # fmt: skip
+    run_entry_point(
+        "pretrain_gpt.py", 2, _args(corpus, tmp_path, name="part1", **pp, **{"exit-interval": 2})
+    )
+    run_entry_point(
+        "pretrain_gpt.py", 2, _args(corpus, tmp_path, name="part2", **pp, load=str(tmp_path / "pp"))
+    )
     resumed = _rows(tmp_path, "part1") + _rows(tmp_path, "part2")
     assert [r["iteration"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     peak, floor = 1e-3, 1e-4

@@ -13,7 +13,6 @@ import subprocess
 import tempfile
 import time
 
-import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -27,30 +26,33 @@ from megatron_tempnet.trainer.checkpoint_format import (
 from megatron_tempnet.trainer.run_lock import LOCK, Owner
 from tests.helpers import faults
 from tests.helpers.checkpoints import global_tensors
-from tests.helpers.corpus import blend_corpus
+from tests.helpers.corpus import data_flags
 from tests.helpers.entry_points import Running, cli_flags, run_entry_point
+from tests.helpers.run_flags import ONE_LAYER, tempnet_flags
 
 TIMING = ("tokens_per_sec", "memory_mb")  # what legitimately differs between two runs
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return blend_corpus(str(tmp_path_factory.mktemp("corpus")), vocab_size=512)
-
-
 def _args(corpus, tmp, **flags) -> list[str]:
-    spec = corpus["spec"]
     base = {
         "model": "tiny",
-        "data-path": corpus["prefix"]["A"], "split": "90,8,2", "seq-length": 16,
-        "tokenizer-type": "GPT2BPETokenizer", "vocab-file": spec["vocab_file"],
-        "merge-file": spec["merge_file"], "micro-batch-size": 2, "global-batch-size": 4,
-        "num-layers": 1, "hidden-size": 32, "num-attention-heads": 2, "ffn-hidden-size": 64,
-        "log-interval": 1, "eval-interval": 0, "tempnet-hidden-size": 16,
-        "tempnet-proj-size": 16, "tempnet-rho": 4, "lr": 1e-3, "zero-stage": 1, "seed": 7,
-        "data-cache-path": str(tmp / "cache"), "num-workers": 0, "save-interval": 5,
-        "hidden-dropout": 0.1, "attention-dropout": 0.1,  # a resume must restore the RNGs too
-    }  # fmt: skip
+        **data_flags(corpus["spec"], corpus["prefix"]["A"], 16),
+        "micro-batch-size": 2,
+        "global-batch-size": 4,
+        **ONE_LAYER,
+        "log-interval": 1,
+        "eval-interval": 0,
+        **tempnet_flags(16),
+        "lr": 1e-3,
+        "zero-stage": 1,
+        "seed": 7,
+        "data-cache-path": str(tmp / "cache"),
+        "num-workers": 0,
+        "save-interval": 5,
+        # dropout on: a resume must restore the RNGs too
+        "hidden-dropout": 0.1,
+        "attention-dropout": 0.1,
+    }
     return cli_flags(base, **flags)
 
 

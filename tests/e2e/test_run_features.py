@@ -21,13 +21,26 @@ SEQ, VOCAB, TEMPNET = 32, 500, (16, 16)
 
 def _args(tmp, **flags) -> list[str]:
     base = {
-        "model": "tiny", "mock-data": True, "tokenizer-type": "NullTokenizer",
-        "vocab-size": VOCAB, "split": "'99,1,0'", "seq-length": SEQ, "train-iters": 6,
-        "micro-batch-size": 2, "global-batch-size": 8, "log-interval": 1, "eval-interval": 3,
-        "eval-iters": 1, "tempnet-hidden-size": TEMPNET[0], "tempnet-proj-size": TEMPNET[1],
-        "lr": 1e-3, "num-workers": 0, "bf16": True, "data-cache-path": tmp / "cache",
+        "model": "tiny",
+        "mock-data": True,
+        "tokenizer-type": "NullTokenizer",
+        "vocab-size": VOCAB,
+        "split": "'99,1,0'",
+        "seq-length": SEQ,
+        "train-iters": 6,
+        "micro-batch-size": 2,
+        "global-batch-size": 8,
+        "log-interval": 1,
+        "eval-interval": 3,
+        "eval-iters": 1,
+        "tempnet-hidden-size": TEMPNET[0],
+        "tempnet-proj-size": TEMPNET[1],
+        "lr": 1e-3,
+        "num-workers": 0,
+        "bf16": True,
+        "data-cache-path": tmp / "cache",
         "distributed-timeout-minutes": 60,
-    }  # fmt: skip
+    }
     return cli_flags(base, **flags)
 
 
@@ -38,18 +51,27 @@ def _rows(path) -> list[dict]:
 
 def test_mock_data_bf16_throughput_profile_and_resume(tmp_path):
     flags = {
-        "save": tmp_path / "ckpt", "save-interval": 3, "metrics-file": tmp_path / "m.jsonl",
-        "log-throughput": True, "manual-gc": True, "manual-gc-interval": 2, "profile": True,
-        "use-pytorch-profiler": True, "profile-step-start": 2, "profile-step-end": 4,
-        "profile-ranks": 1, "tensorboard-dir": tmp_path / "tb",
-    }  # fmt: skip
+        "save": tmp_path / "ckpt",
+        "save-interval": 3,
+        "metrics-file": tmp_path / "m.jsonl",
+        "log-throughput": True,
+        "manual-gc": True,
+        "manual-gc-interval": 2,
+        "profile": True,
+        "use-pytorch-profiler": True,
+        "profile-step-start": 2,
+        "profile-step-end": 4,
+        "profile-ranks": 1,
+        "tensorboard-dir": tmp_path / "tb",
+    }
     r = run_entry_point("pretrain_gpt.py", 2, _args(tmp_path, **flags))
     assert "--bf16 at --zero-stage 0 runs at ZeRO 1" in r.stderr
     rows = _rows(tmp_path / "m.jsonl")
     assert [row["iteration"] for row in rows] == [1, 2, 3, 4, 5, 6]
     # TFLOP/s per GPU and tokens/s over the same interval: their ratio is the FLOPs per token
-    model = ModelConfig.from_preset("tiny", seq_length=SEQ, max_position_embeddings=128,
-                                    vocab_size=VOCAB + 1)  # fmt: skip
+    model = ModelConfig.from_preset(
+        "tiny", seq_length=SEQ, max_position_embeddings=128, vocab_size=VOCAB + 1
+    )
     per_token = flops_per_token(model, TEMPNET)
     for row in rows:
         per_gpu = row["tokens_per_sec"] / 2  # all tokens count (no loss mask): 2 GPUs

@@ -14,8 +14,9 @@ import pytest
 from megatron_tempnet.data.indexed import IndexedDatasetWriter
 from megatron_tempnet.data.preprocess import PreprocessConfig, run_preprocess
 from megatron_tempnet.data.tokenizers import build_tokenizer
-from tests.helpers.corpus import pydoc_documents, train_gpt2_bpe, write_jsonl
+from tests.helpers.corpus import data_flags, pydoc_documents, train_gpt2_bpe, write_jsonl
 from tests.helpers.entry_points import Running, cli_flags, run_command, run_entry_point
+from tests.helpers.run_flags import ONE_LAYER, tempnet_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 512  # = the padded vocabulary at TP 1 and 2: an id past it has no embedding row at all
@@ -53,17 +54,19 @@ def data(tmp_path_factory):
 
 
 def _args(data, tmp, **flags) -> list[str]:
-    spec = data["spec"]
     base = {
-        "model": "tiny", "lr": 1e-3,
-        "data-path": data["prefix"]["run"], "split": "90,8,2", "seq-length": 16,
-        "tokenizer-type": "GPT2BPETokenizer", "vocab-file": spec["vocab_file"],
-        "merge-file": spec["merge_file"], "micro-batch-size": 2, "global-batch-size": 4,
-        "num-layers": 1, "hidden-size": 32, "num-attention-heads": 2, "ffn-hidden-size": 64,
-        "train-iters": 1, "eval-interval": 0, "tempnet-hidden-size": 16,
-        "tempnet-proj-size": 16, "tempnet-rho": 4, "num-workers": 0,
+        "model": "tiny",
+        "lr": 1e-3,
+        **data_flags(data["spec"], data["prefix"]["run"], 16),
+        "micro-batch-size": 2,
+        "global-batch-size": 4,
+        **ONE_LAYER,
+        "train-iters": 1,
+        "eval-interval": 0,
+        **tempnet_flags(16),
+        "num-workers": 0,
         "data-cache-path": str(tmp / "cache"),
-    }  # fmt: skip
+    }
     return cli_flags(base, **flags)
 
 

@@ -1,5 +1,6 @@
 """The acceptance checks' data, made in the test: a 32000-word tokenizer and Zipf-distributed
-word documents for the language models (no download), scikit-learn's digits for CLIP.
+word documents for the language models (no download). CLIP's, scikit-learn's digits, comes from
+``tests.helpers.corpus.digits_pairs``.
 """
 
 from __future__ import annotations
@@ -72,24 +73,3 @@ def preprocess(corpus: Path, tokenizer: Path, log_dir: Path) -> str:
     ]
     run("preprocess", "tools/preprocess_data.py", args, log_dir)
     return f"{prefix}_text_document"
-
-
-def digits_data(directory: Path) -> dict:
-    """scikit-learn's digits as CSV manifests (``write_digits_dataset``) and a word-level
-    SentencePiece tokenizer trained on their captions (as tests/e2e/test_pretrain_clip.py)."""
-    import sentencepiece as spm
-
-    from megatron_tempnet.models.clip.data.digits import write_digits_dataset
-
-    paths = write_digits_dataset(str(directory / "digits"))
-    with open(paths["train"]) as f:
-        captions = [line.rsplit(",", 1)[0].split(",", 1)[1] for line in f.readlines()[1:]]
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(captions + ["random"]),
-        model_prefix=str(directory / "sp"),
-        vocab_size=64,
-        model_type="word",
-        hard_vocab_limit=False,
-        minloglevel=2,
-    )
-    return {**paths, "tokenizer": str(directory / "sp.model")}

@@ -33,7 +33,7 @@ import torch
 
 from tests.gpu import report
 from tests.gpu.attention_probe import MATH_OP, probe
-from tests.gpu.data import build_tokenizer, digits_data, preprocess, word_documents, write_jsonl
+from tests.gpu.data import build_tokenizer, preprocess, word_documents, write_jsonl
 from tests.gpu.harness import (
     copy_checkpoint,
     device_name,
@@ -45,6 +45,7 @@ from tests.gpu.harness import (
     train_rows,
 )
 from tests.gpu.programs import Job, run, run_jobs
+from tests.helpers.corpus import digits_pairs
 
 pytestmark = pytest.mark.gpu
 
@@ -296,7 +297,7 @@ def test_generate_and_evaluate_on_the_trained_checkpoint(corpus, trained, work):
 
 def test_clip_with_tempnet_trains_and_evaluates(work):
     s = sizes()
-    data, out = digits_data(work / "clip"), work / "clip"
+    data, out = digits_pairs(str(work / "clip")), work / "clip"
     args = flags(
         {
             "train-data": data["train"],

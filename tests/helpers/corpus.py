@@ -1,6 +1,7 @@
 """Real English text and tiny tokenizers built in-process, for the data-pipeline tests.
 
-The text is Python's own ``pydoc_data`` topics (~0.7 MB of documentation prose and code).
+The text is Python's own ``pydoc_data`` topics (~0.7 MB of documentation prose and code); the
+image-text pairs are scikit-learn's digits.
 """
 
 from __future__ import annotations
@@ -118,6 +119,45 @@ def blend_corpus(directory: str, vocab_size: int = 600) -> dict:
         config = PreprocessConfig([path], os.path.join(directory, name), spec, append_eod=True)
         prefixes[name] = run_preprocess(config)[0].prefix
     return {"spec": spec, "tokenizer": build_tokenizer(**spec), "prefix": prefixes}
+
+
+def digits_pairs(directory: str, data: str = "digits") -> dict:
+    """scikit-learn's digits as CSV manifests (``write_digits_dataset``, in ``directory/data``)
+    and a word-level SentencePiece tokenizer trained on their captions (``"tokenizer"``:
+    ``directory/sp.model``)."""
+    import sentencepiece as spm
+
+    from megatron_tempnet.models.clip.data.digits import write_digits_dataset
+
+    paths = write_digits_dataset(os.path.join(directory, data))
+    with open(paths["train"]) as f:
+        captions = [line.rsplit(",", 1)[0].split(",", 1)[1] for line in f.readlines()[1:]]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(captions + ["random"]),
+        model_prefix=os.path.join(directory, "sp"),
+        vocab_size=64,
+        model_type="word",
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    return {**paths, "tokenizer": os.path.join(directory, "sp.model")}
+
+
+def tokenizer_flags(spec: dict) -> dict:
+    """``spec`` (``build_tokenizer``'s keyword arguments) as the entry points' flags, in
+    ``cli_flags``' form: ``{"tokenizer-type": ..., "vocab-file": ..., "merge-file": ...}``."""
+    return {key.replace("_", "-"): value for key, value in spec.items()}
+
+
+def data_flags(spec: dict, prefix: str, seq_length: int) -> dict:
+    """The dataset ``prefix`` split 90/8/2 in sequences of ``seq_length``, tokenised by
+    ``spec``: pretrain_gpt.py's data flags in ``cli_flags``' form."""
+    return {
+        "data-path": prefix,
+        "split": "90,8,2",
+        "seq-length": seq_length,
+        **tokenizer_flags(spec),
+    }
 
 
 def blend_config(corpus: dict, cache: str, seq_length: int, **kw):

@@ -16,9 +16,16 @@ from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 from megatron_tempnet.utils.flags import flag_name
 
 SAVED = ModelConfig.from_preset(
-    "llama2-7b", num_layers=3, hidden_size=96, num_attention_heads=6, num_query_groups=2,
-    ffn_hidden_size=160, seq_length=64, max_position_embeddings=128, vocab_size=500,
-)  # fmt: skip
+    "llama2-7b",
+    num_layers=3,
+    hidden_size=96,
+    num_attention_heads=6,
+    num_query_groups=2,
+    ffn_hidden_size=160,
+    seq_length=64,
+    max_position_embeddings=128,
+    vocab_size=500,
+)
 
 
 def _write_train_state(directory: str, config: dict | None) -> None:
@@ -47,8 +54,14 @@ def _given(**values) -> dict:
 def test_the_checkpoint_gives_the_architecture(tmp_path):
     directory = _checkpoint(str(tmp_path))
     # a command line of GPT-2's structure, with its own sequence length and layer count
-    given = _given(seq_length=256, num_layers=3, normalization="LayerNorm", swiglu=False,
-                   add_bias_linear=True, position_embedding_type="learned_absolute")  # fmt: skip
+    given = _given(
+        seq_length=256,
+        num_layers=3,
+        normalization="LayerNorm",
+        swiglu=False,
+        add_bias_linear=True,
+        position_embedding_type="learned_absolute",
+    )
     values, lines = model_args_from_checkpoint(str(tmp_path), given)
     model = ModelConfig(**{k: v for k, v in values.items() if v is not None})
     expected = dataclasses.replace(SAVED, seq_length=256)  # the given size stands

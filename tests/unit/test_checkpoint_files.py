@@ -128,10 +128,13 @@ def test_a_verified_file_is_not_read_again_until_it_changes(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize(
-    "code, shown", [(errno.ENOSPC, "No space left on device (ENOSPC)"),
-                    (errno.EIO, "Input/output error (EIO)"),
-                    (errno.EACCES, "Permission denied (EACCES)")],
-)  # fmt: skip
+    "code, shown",
+    [
+        (errno.ENOSPC, "No space left on device (ENOSPC)"),
+        (errno.EIO, "Input/output error (EIO)"),
+        (errno.EACCES, "Permission denied (EACCES)"),
+    ],
+)
 def test_a_failed_write_names_the_file_and_its_cause(tmp_path, monkeypatch, code, shown):
     from megatron_tempnet.trainer import file_io
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from sklearn.metrics import roc_auc_score
 
-from megatron_tempnet.models.clip.metrics import (
+from megatron_tempnet.models.clip.zero_shot_metrics import (
     MetricError,
     auroc,
     class_embeddings,

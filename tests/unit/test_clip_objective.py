@@ -51,9 +51,7 @@ def _reference_side(sim, tau, s, b, seen, gamma, rho):
 
 
 def _reference_info_nce(sim, tau):
-    return torch.stack([
-        -torch.log_softmax(sim[i] / tau[i], dim=0)[i] for i in range(sim.shape[0])
-    ])  # fmt: skip
+    return torch.stack([-torch.log_softmax(sim[i] / tau[i], dim=0)[i] for i in range(sim.shape[0])])
 
 
 def _features(towers):
@@ -101,33 +99,39 @@ def test_robust_losses_over_five_epochs(loss):
             ref[f"s_{side}"], ref[f"b_{side}"] = s_new, b_new
             if loss == "isogclr":  # u <- 0.5 u + 0.5 clip(g); tau <- [tau - eta u]
                 clipped += sum(abs(g) > 1.5 for g in tau_grad)
-                u = [0.5 * u + 0.5 * min(max(g, -1.5), 1.5)
-                     for u, g in zip(ref[f"u_{side}"], tau_grad)]  # fmt: skip
+                u = [
+                    0.5 * u + 0.5 * min(max(g, -1.5), 1.5)
+                    for u, g in zip(ref[f"u_{side}"], tau_grad)
+                ]
                 ref[f"u_{side}"] = u
-                ref[f"tau_{side}"] = [min(max(t - 0.004 * v, 0.005), 0.05)
-                                      for t, v in zip(tau, u)]  # fmt: skip
+                ref[f"tau_{side}"] = [min(max(t - 0.004 * v, 0.005), 0.05) for t, v in zip(tau, u)]
             if loss == "tempnet":  # TempNet's gradient: that of sum_i tau_grad_i * tau_i
                 tempnet_terms.append((side, a.detach().float(), torch.tensor(tau_grad)))
-            torch.testing.assert_close(out.tau[:N] if side == "image" else out.tau[N:],
-                                       torch.tensor(tau, dtype=torch.float32))  # fmt: skip
-        torch.testing.assert_close(out.loss.double(), torch.cat(objective), rtol=1e-4,
-                                   atol=1e-5)  # fmt: skip
+            torch.testing.assert_close(
+                out.tau[:N] if side == "image" else out.tau[N:],
+                torch.tensor(tau, dtype=torch.float32),
+            )
+        torch.testing.assert_close(out.loss.double(), torch.cat(objective), rtol=1e-4, atol=1e-5)
         torch.cat(model_terms).sum().backward()
         torch.testing.assert_close(
             module.clip.image.grad.double(),
-            _chain(module.clip.image, img.grad), rtol=1e-3, atol=1e-5,
-        )  # fmt: skip
+            _chain(module.clip.image, img.grad),
+            rtol=1e-3,
+            atol=1e-5,
+        )
         for side, e, tau_grad in tempnet_terms:
             net = module.tempnets[side]
             got = [p.grad.clone() for p in net.parameters()]
-            expected = torch.autograd.grad((tau_grad.float() * net(e)).sum(), list(
-                net.parameters()))  # fmt: skip
+            expected = torch.autograd.grad(
+                (tau_grad.float() * net(e)).sum(), list(net.parameters())
+            )
             for g, r in zip(got, expected):
                 torch.testing.assert_close(g, r, rtol=1e-3, atol=1e-6)
         for i, f in enumerate(cfg.state_fields):
             expected_state = torch.tensor(ref[f], dtype=torch.float64)
-            torch.testing.assert_close(out.state[:, i].double(), expected_state, rtol=1e-4,
-                                       atol=1e-6)  # fmt: skip
+            torch.testing.assert_close(
+                out.state[:, i].double(), expected_state, rtol=1e-4, atol=1e-6
+            )
         state, seen = out.state, torch.ones(N, dtype=torch.bool)
     if loss == "isogclr":  # the clip and the bounds were exercised
         assert clipped > 0
@@ -151,9 +155,16 @@ def test_isogclr_with_beta_1_and_no_clip_is_the_plain_projected_step():
     out = module(None, None, None, state, seen)
     towers = module.clip
     img, txt = (nn.functional.normalize(f.detach(), dim=1) for f in (towers.image, towers.text))
-    side = robust_contrastive_side(img @ txt.t(), torch.arange(N), state[:, column["tau_image"]],
-                                   state[:, column["s_image"]], state[:, column["b_image"]], seen,
-                                   gamma=0.7, rho=2.0)  # fmt: skip
+    side = robust_contrastive_side(
+        img @ txt.t(),
+        torch.arange(N),
+        state[:, column["tau_image"]],
+        state[:, column["s_image"]],
+        state[:, column["b_image"]],
+        seen,
+        gamma=0.7,
+        rho=2.0,
+    )
     tau = state[:, column["tau_image"]]
     expected = (tau - 0.02 * side.tau_grad).clamp(0.005, 0.05)
     assert torch.equal(out.state[:, column["tau_image"]], expected)
@@ -184,12 +195,14 @@ def test_info_nce_losses(loss):
         a_t = (txt @ head_t.weight.double().t() + head_t.bias.double())[:, 0]
         tau_i, tau_t = 0.05 / torch.sigmoid(a_i), 0.05 / torch.sigmoid(a_t)
         torch.testing.assert_close(out.uncertainty.double(), torch.cat([-a_i, -a_t]).detach())
-    expected = torch.cat([_reference_info_nce(img @ txt.t(), tau_i),
-                          _reference_info_nce(txt @ img.t(), tau_t)])  # fmt: skip
+    expected = torch.cat(
+        [_reference_info_nce(img @ txt.t(), tau_i), _reference_info_nce(txt @ img.t(), tau_t)]
+    )
     torch.testing.assert_close(out.loss.double(), expected.detach(), rtol=1e-5, atol=1e-5)
     expected.sum().backward()
-    torch.testing.assert_close(module.clip.text.grad.double(), _chain(module.clip.text, txt.grad),
-                               rtol=1e-4, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(
+        module.clip.text.grad.double(), _chain(module.clip.text, txt.grad), rtol=1e-4, atol=1e-6
+    )
     if loss == "clip":  # d loss / d log tau = sum over anchors of d loss / d tau * tau
         t = torch.tensor(0.05, dtype=torch.float64, requires_grad=True)
         ref = torch.cat(

@@ -55,8 +55,9 @@ def test_robust_side_matches_the_reference_over_steps(tau_value):
         got = robust_contrastive_side(sim, positive, tau, s, b, seen, gamma=gamma, rho=rho)
         want = reference_side(sim.detach(), positive, tau, s, b, seen, gamma, rho)
         for key in ("loss", "tau_grad", "s", "b"):
-            torch.testing.assert_close(getattr(got, key).detach(), want[key], rtol=1e-12,
-                                       atol=1e-12)  # fmt: skip
+            torch.testing.assert_close(
+                getattr(got, key).detach(), want[key], rtol=1e-12, atol=1e-12
+            )
         got.loss.sum().backward()  # d loss_i / d s_ij = w_ij (j != i), -sum_j w_ij at the positive
         grad = want["w"].clone()
         grad[torch.arange(n), positive] = -want["w"].sum(1)
@@ -94,9 +95,13 @@ def test_info_nce_matches_the_reference_and_its_gradients():
     positive = torch.tensor([0, 2, 3, 5])
     tau = torch.tensor([0.07, 0.1, 0.5, 1.0], dtype=torch.float64, requires_grad=True)
     got = info_nce(sim, positive, tau)
-    want = [-math.log(math.exp(sim[i, positive[i]].item() / tau[i].item())
-                      / sum(math.exp(sim[i, j].item() / tau[i].item()) for j in range(B)))
-            for i in range(n)]  # fmt: skip
+    want = [
+        -math.log(
+            math.exp(sim[i, positive[i]].item() / tau[i].item())
+            / sum(math.exp(sim[i, j].item() / tau[i].item()) for j in range(B))
+        )
+        for i in range(n)
+    ]
     torch.testing.assert_close(got.detach(), torch.tensor(want, dtype=torch.float64))
     assert torch.autograd.gradcheck(lambda x, t: info_nce(x, positive, t), (sim, tau))
 
@@ -104,9 +109,16 @@ def test_info_nce_matches_the_reference_and_its_gradients():
 def test_bad_shapes_and_gamma_are_refused():
     sim = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="gamma"):
-        robust_contrastive_side(sim, torch.tensor([0, 1]), torch.ones(2), torch.zeros(2),
-                                torch.zeros(2), torch.zeros(2, dtype=torch.bool), gamma=0.0,
-                                rho=1.0)  # fmt: skip
+        robust_contrastive_side(
+            sim,
+            torch.tensor([0, 1]),
+            torch.ones(2),
+            torch.zeros(2),
+            torch.zeros(2),
+            torch.zeros(2, dtype=torch.bool),
+            gamma=0.0,
+            rho=1.0,
+        )
     with pytest.raises(ValueError, match="positive and tau"):
         info_nce(sim, torch.tensor([0]), torch.ones(2))
     with pytest.raises(ValueError, match=">= 2 candidates"):

@@ -24,8 +24,8 @@ from megatron_tempnet.data.loader import (
     ResumableLoader,
     dataset_fingerprint,
 )
-from tests.helpers.corpus import blend_config, blend_corpus
-from tests.helpers.entry_points import run_command
+from tests.helpers.corpus import blend_config, blend_corpus, tokenizer_flags
+from tests.helpers.entry_points import cli_flags, run_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ = 32
@@ -90,15 +90,31 @@ def test_blend_counts_order_and_cache_reuse(corpus, tmp_path):
 
 def test_build_data_cache_tool_prebuilds_for_training(corpus, tmp_path):
     cache = str(tmp_path / "cache")
-    p, spec = corpus["prefix"], corpus["spec"]
+    p = corpus["prefix"]
     cmd = [
-        sys.executable, os.path.join(REPO, "tools", "build_data_cache.py"),
-        "--data-path", "0.7", p["A"], "0.3", p["B"], "--split", "90,8,2",
-        "--seq-length", str(SEQ), "--data-cache-path", cache,
-        "--train-iters", "50", "--global-batch-size", "8", "--eval-interval", "25",
-        "--eval-iters", "2", "--tokenizer-type", "GPT2BPETokenizer",
-        "--vocab-file", spec["vocab_file"], "--merge-file", spec["merge_file"],
-    ]  # fmt: skip
+        sys.executable,
+        os.path.join(REPO, "tools", "build_data_cache.py"),
+        "--data-path",
+        "0.7",
+        p["A"],
+        "0.3",
+        p["B"],
+        "--split",
+        "90,8,2",
+        "--seq-length",
+        str(SEQ),
+        "--data-cache-path",
+        cache,
+        "--train-iters",
+        "50",
+        "--global-batch-size",
+        "8",
+        "--eval-interval",
+        "25",
+        "--eval-iters",
+        "2",
+        *cli_flags(tokenizer_flags(corpus["spec"])),
+    ]
     r = run_command(cmd)
     assert r.returncode == 0, r.stderr
     listing = _cache_listing(cache)
@@ -133,10 +149,17 @@ def test_data_path_and_split_errors(corpus, tmp_path):
 
 def test_a_split_without_documents_is_an_error_not_a_hang(corpus, tmp_path):
     # B has 60 documents: 1/1000 of them rounds to none (megatron-core would loop forever)
-    config = GPTDataConfig(data_path=[corpus["prefix"]["B"]], split="949,50,1", seq_length=SEQ,
-                           data_cache_path=str(tmp_path / "cache"))  # fmt: skip
-    with pytest.raises(DataConfigError, match=r"--split 949,50,1: the test split of "
-                       r".*B_text_document gets none of its 60 documents"):  # fmt: skip
+    config = GPTDataConfig(
+        data_path=[corpus["prefix"]["B"]],
+        split="949,50,1",
+        seq_length=SEQ,
+        data_cache_path=str(tmp_path / "cache"),
+    )
+    with pytest.raises(
+        DataConfigError,
+        match=r"--split 949,50,1: the test split of "
+        r".*B_text_document gets none of its 60 documents",
+    ):
         build_gpt_datasets(config, corpus["tokenizer"], [16, 16, 0])
     config.split = "949,50,0"
     train, valid, test = build_gpt_datasets(config, corpus["tokenizer"], [16, 16, 0])
@@ -144,8 +167,9 @@ def test_a_split_without_documents_is_an_error_not_a_hang(corpus, tmp_path):
 
 
 def test_sampler_slices_global_batches_across_data_parallel_ranks():
-    one = list(PretrainingSampler(100, 10, micro_batch_size=6, data_parallel_rank=0,
-                                  data_parallel_size=1))  # fmt: skip
+    one = list(
+        PretrainingSampler(100, 10, micro_batch_size=6, data_parallel_rank=0, data_parallel_size=1)
+    )
     ranks = [list(PretrainingSampler(100, 10, 3, r, 2)) for r in range(2)]
     assert one[0] == list(range(10, 16))
     assert len(one) == len(ranks[0]) == len(ranks[1]) == 15  # 90 samples left, 6 per step
@@ -183,10 +207,16 @@ def test_upstream_blend_cache_still_needs_a_process_group(corpus, tmp_path):
 
     assert not torch.distributed.is_initialized()
     cfg = GPTDatasetConfig(
-        random_seed=1, sequence_length=SEQ, blend=parse_blend(_config(corpus, "").data_path),
-        split="90,8,2", path_to_cache=str(tmp_path / "c"), tokenizer=corpus["tokenizer"],
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-    )  # fmt: skip
+        random_seed=1,
+        sequence_length=SEQ,
+        blend=parse_blend(_config(corpus, "").data_path),
+        split="90,8,2",
+        path_to_cache=str(tmp_path / "c"),
+        tokenizer=corpus["tokenizer"],
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+    )
     builder = BlendedMegatronDatasetBuilder(GPTDataset, [50, 5, 5], lambda: True, cfg)
     with pytest.raises(ValueError, match="Default process group has not been initialized"):
         builder.build()

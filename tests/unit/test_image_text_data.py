@@ -25,7 +25,7 @@ from megatron_tempnet.models.clip.data.image_text import (
     ImageTextDataError,
     ImageTextDataset,
 )
-from megatron_tempnet.models.clip.data.sampling import EpochShuffledDataset
+from megatron_tempnet.models.clip.data.shuffled_epochs import EpochShuffledDataset
 from megatron_tempnet.models.clip.data.transforms import augment_generator, random_crop_box
 
 EOD = 1

@@ -16,15 +16,22 @@ def test_torchrun_environment_is_kept():
 
 def test_slurm_environment_gives_ranks_and_rendezvous():
     env = {
-        "SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
-        "SLURM_NTASKS_PER_NODE": "8(x2)", "SLURM_JOB_NODELIST": "gpu[003-004,010]",
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "16",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS_PER_NODE": "8(x2)",
+        "SLURM_JOB_NODELIST": "gpu[003-004,010]",
         "SLURM_JOB_ID": "123456",
-    }  # fmt: skip
+    }
     got = launch_environment(env)
     assert got == {
-        "RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8",
-        "MASTER_ADDR": "gpu003", "MASTER_PORT": str(29500 + 3456),
-    }  # fmt: skip
+        "RANK": "5",
+        "WORLD_SIZE": "16",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "8",
+        "MASTER_ADDR": "gpu003",
+        "MASTER_PORT": str(29500 + 3456),
+    }
     assert launch_environment({**env, "MASTER_PORT": "1234"})["MASTER_PORT"] == "1234"
 
 

@@ -12,12 +12,33 @@ from megatron_tempnet.utils.flag_parser import FlagError
 from megatron_tempnet.utils.yaml_cfg import parse_with_yaml
 
 RUN = [
-    "--data-path", "corpus_text_document", "--tokenizer-type", "GPT2BPETokenizer",
-    "--vocab-file", "vocab.json", "--merge-file", "merges.txt", "--train-iters", "10",
-    "--lr", "3e-4", "--micro-batch-size", "1",
-]  # fmt: skip
-SHAPE = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
-         "--seq-length", "64", "--max-position-embeddings", "64"]  # fmt: skip
+    "--data-path",
+    "corpus_text_document",
+    "--tokenizer-type",
+    "GPT2BPETokenizer",
+    "--vocab-file",
+    "vocab.json",
+    "--merge-file",
+    "merges.txt",
+    "--train-iters",
+    "10",
+    "--lr",
+    "3e-4",
+    "--micro-batch-size",
+    "1",
+]
+SHAPE = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "128",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+]
 
 
 def parse(argv: list[str], caplog) -> tuple:
@@ -58,8 +79,7 @@ def test_a_shape_flag_missing_without_model_is_named_with_the_others():
 
 
 def test_preset_overrides_are_listed_once(caplog):
-    argv = RUN + ["--model", "llama2-7b", "--num-layers", "2", "--hidden-size", "128",
-                  "--num-attention-heads", "4", "--seq-length", "64"]  # fmt: skip
+    argv = RUN + ["--model", "llama2-7b", *SHAPE[:-2]]  # SHAPE but --max-position-embeddings
     config, lines = parse(argv, caplog)
     assert config.model.ffn_hidden_size == 11008  # the preset sets it
     overrides = [line for line in lines if "overrides --model llama2-7b" in line]
@@ -112,16 +132,35 @@ def test_no_prefix_matching_and_close_names_suggested(caplog):
 
 
 def test_spellings_map_to_the_projects_flags(caplog):
-    argv = RUN + SHAPE + ["--use-flash-attn", "--use-distributed-optimizer", "--optimizer",
-                          "adam", "--deepspeed_config", "ds.json", "--no-masked-softmax-fusion",
-                          "--use-mcore-models", "--data-impl", "mmap"]  # fmt: skip
+    argv = (
+        RUN
+        + SHAPE
+        + [
+            "--use-flash-attn",
+            "--use-distributed-optimizer",
+            "--optimizer",
+            "adam",
+            "--deepspeed_config",
+            "ds.json",
+            "--no-masked-softmax-fusion",
+            "--use-mcore-models",
+            "--data-impl",
+            "mmap",
+        ]
+    )
     config, lines = parse(argv, caplog)
     assert config.model.attention_backend == "auto"
     assert config.parallel.zero_stage == 1
     assert config.parallel.deepspeed_config == "ds.json"
     assert "--attention-backend flash: computed by --attention-backend auto" in lines
-    mapped = ["--use-flash-attn", "--use-distributed-optimizer", "--optimizer adam",
-              "--no-masked-softmax-fusion", "--use-mcore-models", "--data-impl mmap"]  # fmt: skip
+    mapped = [
+        "--use-flash-attn",
+        "--use-distributed-optimizer",
+        "--optimizer adam",
+        "--no-masked-softmax-fusion",
+        "--use-mcore-models",
+        "--data-impl mmap",
+    ]
     for flag in mapped:
         assert sum(line.startswith(flag + ":") for line in lines) == 1, flag
 

@@ -18,9 +18,13 @@ from megatron_tempnet.trainer.profiling import IterationProfiler, ManualGC
 
 def _profile(tmp_path, start: int, end: int, first: int, last: int = 7, rank: int = 0):
     config = SimpleNamespace(
-        profile=True, profile_ranks=[0, 2], profile_step_start=start, profile_step_end=end,
-        use_pytorch_profiler=True, tensorboard_dir=str(tmp_path),
-    )  # fmt: skip
+        profile=True,
+        profile_ranks=[0, 2],
+        profile_step_start=start,
+        profile_step_end=end,
+        use_pytorch_profiler=True,
+        tensorboard_dir=str(tmp_path),
+    )
     profiler = IterationProfiler(config, rank)
     x = torch.randn(8, 8)
     for iteration in range(first, last + 1):  # a run resumed at ``first``
@@ -131,11 +135,18 @@ def test_empty_unused_memory_level_releases_the_cache_where_megatron_lm_does(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
-    logging = SimpleNamespace(profile=False, profile_ranks=[0], log_throughput=False,
-                              profile_step_start=10, profile_step_end=12,
-                              use_pytorch_profiler=False, tensorboard_dir=None)  # fmt: skip
-    training = SimpleNamespace(manual_gc=False, manual_gc_interval=0, manual_gc_eval=True,
-                               empty_unused_memory_level=level)  # fmt: skip
+    logging = SimpleNamespace(
+        profile=False,
+        profile_ranks=[0],
+        log_throughput=False,
+        profile_step_start=10,
+        profile_step_end=12,
+        use_pytorch_profiler=False,
+        tensorboard_dir=None,
+    )
+    training = SimpleNamespace(
+        manual_gc=False, manual_gc_interval=0, manual_gc_eval=True, empty_unused_memory_level=level
+    )
     hooks = RunHooks(SimpleNamespace(logging=logging, training=training), None, 1, 0)
     hooks.start()
     for iteration in range(1, 4):

@@ -19,13 +19,11 @@ from megatron_tempnet.trainer.config import ConfigError
 from megatron_tempnet.trainer.engine import deepspeed_config
 from megatron_tempnet.trainer.profiling import RunHooks, tflops_per_gpu
 from megatron_tempnet.trainer.validation import validate_run
-
-BASE = ["--model", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
-        "100", "--train-iters", "5", "--lr", "1e-3"]  # fmt: skip
+from tests.helpers.run_flags import MOCK_RUN
 
 
 def _config(*argv: str, world_size: int = 2):
-    config = config_from_args(build_parser().parse_args([*BASE, *argv]))
+    config = config_from_args(build_parser().parse_args([*MOCK_RUN, *argv]))
     validate_run(config, world_size)
     return config
 
@@ -38,20 +36,43 @@ def _zero(config, world_size: int = 2) -> dict:
     "argv,world,zero,grads,params",
     [
         ((), 2, {"stage": 0, "overlap_comm": False}, "no effect at ZeRO 0", "no effect at ZeRO 0"),
-        (("--zero-stage", "2", "--overlap-grad-reduce"), 2, {"stage": 2, "overlap_comm": True},
-         "DeepSpeed zero_optimization.overlap_comm on (ZeRO 2)", "no effect at ZeRO 2"),
-        (("--zero-stage", "1", "--overlap-grad-reduce", "--overlap-param-gather"), 2,
-         {"stage": 1, "overlap_comm": True}, "overlap_comm on (ZeRO 1)", "no effect at ZeRO 1"),
-        (("--zero-stage", "3"), 2,
-         {"stage": 3, "overlap_comm": False, "stage3_prefetch_bucket_size": 0},
-         "overlap_comm off (ZeRO 3)", "ZeRO-3 parameter prefetch, stage3_prefetch_bucket_size 0"),
-        (("--zero-stage", "3", "--overlap-grad-reduce", "--overlap-param-gather"), 2,
-         {"stage": 3, "overlap_comm": True, "stage3_prefetch_bucket_size": 50_000_000},
-         "overlap_comm on (ZeRO 3)", "stage3_prefetch_bucket_size 50000000"),
-        (("--zero-stage", "1", "--pipeline-model-parallel-size", "2", "--overlap-grad-reduce"), 4,
-         {"stage": 1, "overlap_comm": True}, "no effect with pipeline parallelism", "ZeRO 1"),
+        (
+            ("--zero-stage", "2", "--overlap-grad-reduce"),
+            2,
+            {"stage": 2, "overlap_comm": True},
+            "DeepSpeed zero_optimization.overlap_comm on (ZeRO 2)",
+            "no effect at ZeRO 2",
+        ),
+        (
+            ("--zero-stage", "1", "--overlap-grad-reduce", "--overlap-param-gather"),
+            2,
+            {"stage": 1, "overlap_comm": True},
+            "overlap_comm on (ZeRO 1)",
+            "no effect at ZeRO 1",
+        ),
+        (
+            ("--zero-stage", "3"),
+            2,
+            {"stage": 3, "overlap_comm": False, "stage3_prefetch_bucket_size": 0},
+            "overlap_comm off (ZeRO 3)",
+            "ZeRO-3 parameter prefetch, stage3_prefetch_bucket_size 0",
+        ),
+        (
+            ("--zero-stage", "3", "--overlap-grad-reduce", "--overlap-param-gather"),
+            2,
+            {"stage": 3, "overlap_comm": True, "stage3_prefetch_bucket_size": 50_000_000},
+            "overlap_comm on (ZeRO 3)",
+            "stage3_prefetch_bucket_size 50000000",
+        ),
+        (
+            ("--zero-stage", "1", "--pipeline-model-parallel-size", "2", "--overlap-grad-reduce"),
+            4,
+            {"stage": 1, "overlap_comm": True},
+            "no effect with pipeline parallelism",
+            "ZeRO 1",
+        ),
     ],
-)  # fmt: skip
+)
 def test_overlap_flags_at_each_zero_stage(argv, world, zero, grads, params):
     config = _config(*argv, world_size=world)
     ds = deepspeed_config(config, world)
@@ -62,15 +83,20 @@ def test_overlap_flags_at_each_zero_stage(argv, world, zero, grads, params):
 
 def test_a_deepspeed_json_keeps_its_overlaps_unless_a_flag_is_given(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"overlap_comm": True,
-                                                      "prefetch_bucket_size": 1000}}))  # fmt: skip
+    path.write_text(
+        json.dumps({"zero_optimization": {"overlap_comm": True, "prefetch_bucket_size": 1000}})
+    )
     config = _config("--zero-stage", "3", "--deepspeed-config", str(path))
     assert _zero(config) == {"stage": 3, "overlap_comm": True, "stage3_prefetch_bucket_size": 1000}
     path.write_text(json.dumps({"zero_optimization": {"stage3_prefetch_bucket_size": 0}}))
     config = _config(
-        "--zero-stage", "3", "--deepspeed-config", str(path), "--overlap-grad-reduce",
+        "--zero-stage",
+        "3",
+        "--deepspeed-config",
+        str(path),
+        "--overlap-grad-reduce",
         "--overlap-param-gather",
-    )  # fmt: skip
+    )
     assert _zero(config)["stage3_prefetch_bucket_size"] == communication.DEEPSPEED_PREFETCH
 
 
@@ -110,22 +136,30 @@ def test_a_deepspeed_json_keeps_its_other_data_types(tmp_path):
     "argv,message",
     [
         (("--overlap-param-gather",), "--overlap-param-gather needs --overlap-grad-reduce"),
-        (("--overlap-param-gather", "--overlap-grad-reduce"),
-         "it needs a sharded optimizer (--zero-stage 1, 2 or 3, or --use-distributed-optimizer)"),
+        (
+            ("--overlap-param-gather", "--overlap-grad-reduce"),
+            "it needs a sharded optimizer (--zero-stage 1, 2 or 3, or --use-distributed-optimizer)",
+        ),
         (("--distributed-timeout-minutes", "0"), "--distributed-timeout-minutes (0) must be >= 1"),
         (("--manual-gc", "--manual-gc-interval", "-1"), "--manual-gc-interval (-1) must be >= 0"),
         (("--use-pytorch-profiler",), "--use-pytorch-profiler chooses the profiler of --profile"),
-        (("--profile", "--profile-step-start", "4", "--profile-step-end", "4"),
-         "--profile-step-start (4) must be >= 0 and < --profile-step-end (4)"),
-        (("--profile", "--profile-ranks", "0", "5"),
-         "--profile-ranks 0 5: rank(s) [5] are not among the 2 ranks of this run"),
-        (("--profile", "--use-pytorch-profiler"),
-         "--use-pytorch-profiler writes its trace to --tensorboard-dir: give --tensorboard-dir"),
+        (
+            ("--profile", "--profile-step-start", "4", "--profile-step-end", "4"),
+            "--profile-step-start (4) must be >= 0 and < --profile-step-end (4)",
+        ),
+        (
+            ("--profile", "--profile-ranks", "0", "5"),
+            "--profile-ranks 0 5: rank(s) [5] are not among the 2 ranks of this run",
+        ),
+        (
+            ("--profile", "--use-pytorch-profiler"),
+            "--use-pytorch-profiler writes its trace to --tensorboard-dir: give --tensorboard-dir",
+        ),
         (("--use-checkpoint-args",), "--use-checkpoint-args is about the checkpoint in --load"),
         (("--no-load-rng",), "--no-load-rng is about the checkpoint in --load: give --load"),
         (("--exit-on-missing-checkpoint",), "--exit-on-missing-checkpoint is about the checkpoint"),
     ],
-)  # fmt: skip
+)
 def test_wrong_combinations_name_the_flags(argv, message):
     with pytest.raises(ConfigError) as e:
         _config(*argv)
@@ -147,9 +181,16 @@ def test_megatron_defaults():
     config = _config()
     p, t, log = config.parallel, config.training, config.logging
     assert (p.overlap_grad_reduce, p.overlap_param_gather, p.distributed_timeout_minutes) == (
-        False, False, 10)  # fmt: skip
+        False,
+        False,
+        10,
+    )
     assert (t.grad_reduce_in_bf16, t.manual_gc, t.manual_gc_interval, t.manual_gc_eval) == (
-        False, False, 0, True)  # fmt: skip
+        False,
+        False,
+        0,
+        True,
+    )
     assert (log.profile, log.use_pytorch_profiler, log.profile_step_start) == (False, False, 10)
     assert (log.profile_step_end, log.profile_ranks, log.log_throughput) == (12, [0], False)
     ckpt = config.checkpoint
@@ -165,9 +206,15 @@ def _megatron_flops(args, batch_size: int) -> float:
     fwd_bwd, fma = 3, 2
     query = args.kv_channels * args.num_attention_heads
     kv = args.kv_channels * args.num_query_groups
-    attention = fwd_bwd * fma * (args.hidden_size * (query + 2 * kv)
-                                 + query * args.seq_length / 2 * 2
-                                 + query * args.hidden_size)  # fmt: skip
+    attention = (
+        fwd_bwd
+        * fma
+        * (
+            args.hidden_size * (query + 2 * kv)
+            + query * args.seq_length / 2 * 2
+            + query * args.hidden_size
+        )
+    )
     mlp = fwd_bwd * fma * args.hidden_size * args.ffn_hidden_size * (3 if args.swiglu else 2)
     logits = fwd_bwd * fma * args.hidden_size * args.padded_vocab_size
     return batch_size * args.seq_length * (args.num_layers * (mlp + attention) + logits)
@@ -177,13 +224,16 @@ def _megatron_flops(args, batch_size: int) -> float:
 def test_the_flop_count_is_megatron_lms(preset, tp):
     model = ModelConfig.from_preset(preset, vocab_size=PRESETS[preset].get("vocab_size", 50257))
     args = types.SimpleNamespace(
-        num_layers=model.num_layers, hidden_size=model.hidden_size,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups or model.num_attention_heads,
         kv_channels=model.hidden_size // model.num_attention_heads,
-        ffn_hidden_size=model.ffn_hidden_size, swiglu=model.swiglu, seq_length=model.seq_length,
+        ffn_hidden_size=model.ffn_hidden_size,
+        swiglu=model.swiglu,
+        seq_length=model.seq_length,
         padded_vocab_size=model.padded_vocab_size(tp),
-    )  # fmt: skip
+    )
     reference = _megatron_flops(args, batch_size=3)
     assert 3 * model.seq_length * flops_per_token(model, None, tp) == pytest.approx(reference)
     # TempNet's W1 (d1 x the true vocabulary) and W2 (d2 x d1), 6 FLOPs per weight

@@ -20,6 +20,8 @@ from megatron_tempnet.trainer.validation import validate_run
 
 PEAK, FLOOR, INIT = 3e-4, 3e-5, 1e-5
 GBS, ITERS, WARMUP, DECAY, WSD = 8, 100, 10, 80, 20  # iterations
+LR = dict(lr=PEAK, min_lr=FLOOR, lr_warmup_init=INIT)  # the schedules' values
+LENGTHS = dict(lr_warmup_iters=WARMUP, lr_decay_iters=DECAY)  # and lengths, in iterations
 
 
 class Groups:
@@ -71,11 +73,15 @@ def run(training: TrainingConfig, optimizer: OptimizerConfig, world_size: int = 
 
 def iteration_run(style: str, wsd: str = "exponential", **extra):
     training = TrainingConfig(train_iters=ITERS, global_batch_size=GBS)
+    wsd_iters = WSD if style == "WSD" else None
     optimizer = OptimizerConfig(
-        lr=PEAK, min_lr=FLOOR, lr_decay_style=style, lr_wsd_decay_style=wsd,
-        lr_warmup_iters=WARMUP, lr_warmup_init=INIT, lr_decay_iters=DECAY,
-        lr_wsd_decay_iters=WSD if style == "WSD" else None, **extra,
-    )  # fmt: skip
+        **LR,
+        **LENGTHS,
+        lr_decay_style=style,
+        lr_wsd_decay_style=wsd,
+        lr_wsd_decay_iters=wsd_iters,
+        **extra,
+    )
     return run(training, optimizer)
 
 
@@ -127,11 +133,11 @@ def test_samples_and_iterations_give_the_same_schedule():
     for style in STYLES:
         by_iters = iteration_run(style)
         training = TrainingConfig(train_samples=ITERS * GBS, global_batch_size=GBS)
+        in_samples = dict(lr_warmup_samples=WARMUP * GBS, lr_decay_samples=DECAY * GBS)
+        wsd_samples = WSD * GBS if style == "WSD" else None
         optimizer = OptimizerConfig(
-            lr=PEAK, min_lr=FLOOR, lr_decay_style=style, lr_warmup_samples=WARMUP * GBS,
-            lr_warmup_init=INIT, lr_decay_samples=DECAY * GBS,
-            lr_wsd_decay_samples=WSD * GBS if style == "WSD" else None,
-        )  # fmt: skip
+            **LR, **in_samples, lr_decay_style=style, lr_wsd_decay_samples=wsd_samples
+        )
         assert run(training, optimizer) == by_iters, style
 
 
@@ -209,8 +215,9 @@ def megatron_iterations(train_samples: int, start, increment, samples, gbs) -> i
     ids=["small", "gpt3-175b", "ends-in-the-ramp"],
 )
 def test_ramped_batches_and_consumed_samples(ramp, gbs, train_samples, dp):
-    training = TrainingConfig(train_samples=train_samples, global_batch_size=gbs,
-                              rampup_batch_size=ramp)  # fmt: skip
+    training = TrainingConfig(
+        train_samples=train_samples, global_batch_size=gbs, rampup_batch_size=ramp
+    )
     optimizer = OptimizerConfig(lr=PEAK)
     validate_run(RunConfig(training=training, optimizer=optimizer), dp)
     assert training.iterations == megatron_iterations(train_samples, *ramp, gbs)
@@ -277,18 +284,38 @@ def test_a_ramp_with_train_iters():
         ({"train_iters": 5}, {"lr_decay_style": "WSD"}, "needs --lr-wsd-decay-iters"),
         ({"train_samples": 50}, {"lr_decay_style": "WSD"}, "needs --lr-wsd-decay-samples"),
         ({"train_iters": 5}, {"lr_decay_style": "exp"}, "--lr-decay-style 'exp'"),
-        ({"train_samples": 50, "global_batch_size": 8, "rampup_batch_size": (2, 2)}, {},
-         "give three numbers"),
-        ({"train_samples": 50, "global_batch_size": 8, "rampup_batch_size": (8, 2, 10)}, {},
-         "START must be below --global-batch-size (8)"),
-        ({"train_samples": 50, "global_batch_size": 8, "rampup_batch_size": (2, 4, 10)}, {},
-         "in steps of INCREMENT"),
-        ({"train_samples": 50, "global_batch_size": 8, "rampup_batch_size": (2, 2, 0)}, {},
-         "must be >= 1"),
-        ({"train_samples": 50, "global_batch_size": 8, "micro_batch_size": 2,
-          "rampup_batch_size": (2, 3, 10)}, {}, "the batch of 5 samples is not a multiple"),
+        (
+            {"train_samples": 50, "global_batch_size": 8, "rampup_batch_size": (2, 2)},
+            {},
+            "give three numbers",
+        ),
+        (
+            {"train_samples": 50, "global_batch_size": 8, "rampup_batch_size": (8, 2, 10)},
+            {},
+            "START must be below --global-batch-size (8)",
+        ),
+        (
+            {"train_samples": 50, "global_batch_size": 8, "rampup_batch_size": (2, 4, 10)},
+            {},
+            "in steps of INCREMENT",
+        ),
+        (
+            {"train_samples": 50, "global_batch_size": 8, "rampup_batch_size": (2, 2, 0)},
+            {},
+            "must be >= 1",
+        ),
+        (
+            {
+                "train_samples": 50,
+                "global_batch_size": 8,
+                "micro_batch_size": 2,
+                "rampup_batch_size": (2, 3, 10),
+            },
+            {},
+            "the batch of 5 samples is not a multiple",
+        ),
     ],
-)  # fmt: skip
+)
 def test_flag_checks(training, optimizer, message):
     config = RunConfig(
         training=TrainingConfig(**training), optimizer=OptimizerConfig(**{"lr": 1.0, **optimizer})
@@ -316,9 +343,24 @@ def test_clip_refuses_a_batch_ramp():
     from megatron_tempnet.models.clip.arguments import build_clip_parser, clip_config_from_args
     from megatron_tempnet.models.clip.task import validate_clip
 
-    argv = ["--model", "clip-tiny", "--train-data", "t", "--tokenizer-type", "GPT2BPETokenizer",
-            "--train-samples", "40", "--global-batch-size", "8", "--lr", "1e-3",
-            "--rampup-batch-size", "4", "4", "8"]  # fmt: skip
+    argv = [
+        "--model",
+        "clip-tiny",
+        "--train-data",
+        "t",
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--train-samples",
+        "40",
+        "--global-batch-size",
+        "8",
+        "--lr",
+        "1e-3",
+        "--rampup-batch-size",
+        "4",
+        "4",
+        "8",
+    ]
     config = clip_config_from_args(build_clip_parser().parse_args(argv))
     assert config.training.rampup_batch_size == (4, 4, 8)
     with pytest.raises(ConfigError, match="--rampup-batch-size is not built for CLIP"):
@@ -333,10 +375,7 @@ def test_tempnet_constant_lr_keeps_its_peak_while_the_lm_follows_the_schedule():
 
     lm, tempnet = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
     module = torch.nn.ModuleDict({"lm": lm, "tempnet": tempnet})
-    optimizer = OptimizerConfig(
-        lr=PEAK, min_lr=FLOOR, lr_decay_style="cosine", lr_warmup_iters=WARMUP,
-        lr_warmup_init=INIT, lr_decay_iters=DECAY,
-    )  # fmt: skip
+    optimizer = OptimizerConfig(**LR, **LENGTHS, lr_decay_style="cosine")
     own = {"tempnet": (list(tempnet.parameters()), 10 * PEAK, 0.0)}
     for constant in (frozenset(), frozenset({"tempnet"})):
         groups = model_and_own_groups(module, optimizer, "lm", own, constant)

@@ -188,8 +188,9 @@ def test_dropout_acts_in_training_only_and_the_fused_stage_follows_the_module():
     for fused in (False, True):
         torch.manual_seed(1)
         if fused:
-            out = fused_output_stage(hidden, weight, target, loss="ts-ce", vocab_size=40,
-                                     tempnet=net)  # fmt: skip
+            out = fused_output_stage(
+                hidden, weight, target, loss="ts-ce", vocab_size=40, tempnet=net
+            )
             loss, tau = out.loss, out.tau
         else:
             tau = net(logits)
@@ -223,10 +224,12 @@ def test_tempnet_s_product_through_the_output_weight_is_the_same_math(monkeypatc
 
     results = []
     for factored in (True, False):
-        monkeypatch.setattr(output_stage, "w1_through_weight", recorded if factored
-                            else lambda *args: None)  # fmt: skip
-        out = fused_output_stage(hidden, weight, target, loss="dro", rho=2.0, vocab_size=50,
-                                 tempnet=net, chunk_size=9)  # fmt: skip
+        monkeypatch.setattr(
+            output_stage, "w1_through_weight", recorded if factored else lambda *args: None
+        )
+        out = fused_output_stage(
+            hidden, weight, target, loss="dro", rho=2.0, vocab_size=50, tempnet=net, chunk_size=9
+        )
         params = [hidden, weight, *net.parameters()]
         grads = torch.autograd.grad((out.loss * mask).sum() * 0.37, params)  # g: 0.37 or 0
         results.append([out.tau, out.loss, *grads])

@@ -11,18 +11,25 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOL = os.path.join(REPO, "tools", "visualize_tau.py")
 RECORDS = [
-    {"index": 0, "prompt": "a <p>", "tokens": [" x", "<b>", " &", "\n", "y"],
-     "token_ids": [5, 6, 7, 8, 9], "tau": [0.5, 1.0, 1.5, 0.75, 1.25]},
+    {
+        "index": 0,
+        "prompt": "a <p>",
+        "tokens": [" x", "<b>", " &", "\n", "y"],
+        "token_ids": [5, 6, 7, 8, 9],
+        "tau": [0.5, 1.0, 1.5, 0.75, 1.25],
+    },
     {"index": 3, "prompt": "q", "tokens": [" z"], "token_ids": [1], "tau": [1.1]},
-]  # fmt: skip
+]
 
 
 def _run(tmp_path, *args, lines=None):
     path = tmp_path / "gen.jsonl"
     path.write_text(lines if lines is not None else "".join(json.dumps(r) + "\n" for r in RECORDS))
-    cmd = [sys.executable, os.path.join(REPO, "tools", "visualize_tau.py"), "--input", str(path),
-           "--output-prefix", str(tmp_path / "out" / "tau"), *map(str, args)]  # fmt: skip
+    prefix = tmp_path / "out" / "tau"
+    cmd = [sys.executable, TOOL, "--input", str(path), "--output-prefix", str(prefix)]
+    cmd += map(str, args)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
@@ -33,8 +40,12 @@ def test_html_colours_every_token_by_its_tau_and_png_is_drawn(tmp_path):
     r = _run(tmp_path)
     assert r.returncode == 0, r.stderr
     page = (tmp_path / "out" / "tau.html").read_text()
-    spans = re.findall(r"<span style='background:(#[0-9a-f]{6})' title='id (\d+), tau "
-                       r"([0-9.]+)'>(.*?)</span>", page, flags=re.S)  # fmt: skip
+    spans = re.findall(
+        r"<span style='background:(#[0-9a-f]{6})' title='id (\d+), tau "
+        r"([0-9.]+)'>(.*?)</span>",
+        page,
+        flags=re.S,
+    )
     tokens = [t for rec in RECORDS for t in rec["tokens"]]
     taus = [t for rec in RECORDS for t in rec["tau"]]
     assert [s[3] for s in spans] == [" x", "&lt;b&gt;", " &amp;", "\n", "y", " z"]

@@ -57,7 +57,7 @@ tempnet_rho: null      # the default
         ("- 1\n", "expected a mapping of flag names to values, got a list"),
         ("lr: [1\n", "not valid YAML"),
     ],
-)  # fmt: skip
+)
 def test_bad_files_name_the_key_and_the_file(tmp_path, text, message):
     with pytest.raises(YamlConfigError) as e:
         _gpt(tmp_path, text)
