@@ -12,6 +12,11 @@ Megatron-LM's flags as DeepSpeed config entries, at the run's ZeRO stage and lay
   and all-reduced or reduce-scattered in float32); ``--grad-reduce-in-bf16``: both bfloat16.
   DeepSpeed sums in float32 with its bf16 optimizer (ZeRO 1) or its ZeRO 2-3 partitions, which is
   why ``validate_run`` runs a ``--bf16`` run of ``--zero-stage 0`` at ZeRO 1.
+- The bf16 optimizer's ``bf16.immediate_grad_update`` is on (``bf16_section``): it adds
+  each bfloat16 gradient to the float32 sum as autograd produces it. Its delayed update adds all
+  of them after every backward pass, and relies on a hook that clears them before the next one.
+  That hook sits on the tensors the module returns; the tasks return a dataclass, where DeepSpeed
+  finds none, so micro-batch k of N would count N - k + 1 times.
 
 Without the overlap flags both overlaps are off, Megatron-LM's default, unless a
 ``--deepspeed-config`` file turns them on.
@@ -19,7 +24,7 @@ Without the overlap flags both overlaps are off, Megatron-LM's default, unless a
 
 from __future__ import annotations
 
-from megatron_tempnet.trainer.config import RunConfig
+from megatron_tempnet.trainer.config import ConfigError, RunConfig
 
 PREFETCH = "stage3_prefetch_bucket_size"
 """ZeRO-3's prefetch key (DeepSpeed also reads it as ``prefetch_bucket_size``)."""
@@ -58,6 +63,27 @@ def precision_entries(config: RunConfig) -> dict:
     if dtype is None:
         return {}
     return {"data_types": {"grad_accum_dtype": dtype}, "communication_data_type": dtype}
+
+
+def bf16_section(config: RunConfig, given: dict, accumulation_steps: int) -> dict | None:
+    """DeepSpeed's ``bf16`` section: the --deepspeed-config file's (``given``: its whole JSON,
+    the section under ``bf16`` or its older name ``bfloat16``), enabled by --bf16, with
+    ``immediate_grad_update`` on unless the file turns it off (see the module docstring); that
+    is refused when an iteration accumulates micro-batches (``accumulation_steps`` > 1). None
+    when neither the flag nor the file enables bfloat16."""
+    section = dict(given.get("bf16", given.get("bfloat16", {})))
+    if config.training.bf16:
+        section["enabled"] = True
+    if not section.get("enabled", False):
+        return None
+    if section.get("immediate_grad_update", True) is False and accumulation_steps > 1:
+        raise ConfigError(
+            f"--deepspeed-config {config.parallel.deepspeed_config}: bf16.immediate_grad_update "
+            f"false counts each of the {accumulation_steps} micro-batches accumulated per "
+            "iteration again after every later one: remove the entry or set it true"
+        )
+    section.setdefault("immediate_grad_update", True)
+    return section
 
 
 def describe(config: RunConfig, ds_config: dict) -> dict[str, str]:

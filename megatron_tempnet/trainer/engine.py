@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_tempnet import compat
 from megatron_tempnet.distributed.launch import bind_device
@@ -30,7 +31,6 @@ def init_process_groups(config: RunConfig) -> None:
     """torch.distributed (gloo on CPU, NCCL on GPU) and megatron-core's TP/PP/DP groups, all with
     --distributed-timeout-minutes (a process group that exists already keeps its own)."""
     import deepspeed
-    from megatron.core import parallel_state
 
     compat.check_upstream()
     compat.apply_cpu_support()
@@ -101,12 +101,14 @@ def deepspeed_config(config: RunConfig, world_size: int) -> dict:
                 f"--deepspeed-config {config.parallel.deepspeed_config!r}: {e}"
             ) from None
     t = config.training
+    accumulation = config.gradient_accumulation_steps(world_size)
     zero = dict(base.get("zero_optimization", {}), stage=config.parallel.zero_stage)
     zero = communication.zero_overlap(config, zero)
     deepspeed_clips = deepspeed_clips_grad_norm(config)
+    bf16 = communication.bf16_section(config, base, accumulation)
     base.update(
         train_micro_batch_size_per_gpu=t.micro_batch_size,
-        gradient_accumulation_steps=config.gradient_accumulation_steps(world_size),
+        gradient_accumulation_steps=accumulation,
         train_batch_size=t.global_batch_size,
         zero_optimization=zero,
         # otherwise the training step clips (and measures the norm) itself
@@ -116,8 +118,10 @@ def deepspeed_config(config: RunConfig, world_size: int) -> dict:
     )
     # its throughput timer waits for the device twice per micro-batch; we time iterations
     base.setdefault("timers", {"throughput": {"enabled": False}})
+    if bf16 is not None:  # the file's section under DeepSpeed's current name
+        base.pop("bfloat16", None)
+        base["bf16"] = bf16
     if t.bf16:
-        base["bf16"] = {"enabled": True}
         precision = communication.precision_entries(config)
         base["data_types"] = {**base.get("data_types", {}), **precision.pop("data_types")}
         base.update(precision)

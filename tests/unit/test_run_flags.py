@@ -119,7 +119,8 @@ def test_gradients_are_accumulated_and_reduced_in_float32_under_bf16(argv, stage
         assert communication.describe(config, ds)["--grad-reduce-in-bf16"].startswith("no effect")
         return
     assert ds["data_types"] == {"grad_accum_dtype": dtype}
-    assert ds["communication_data_type"] == dtype and ds["bf16"] == {"enabled": True}
+    assert ds["communication_data_type"] == dtype
+    assert ds["bf16"] == {"enabled": True, "immediate_grad_update": True}
     name = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     said = communication.describe(config, ds)["--grad-reduce-in-bf16"]
     assert said.startswith(f"gradients accumulated and reduced in {name}")
