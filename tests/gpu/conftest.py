@@ -2,9 +2,9 @@
 
 The ``gpu`` tests are deselected by default (pyproject's ``-m "not gpu"``); ``make gpu-check``
 selects them with ``-m gpu``. Without CUDA they are skipped with one reason (unless
-``GPU_CHECK_ON_CPU=1`` asks for the CPU smoke run). At the end of the session the summary
-tables (``report.py``) are printed and, when ``GPU_CHECK_REPORT`` names a file, written there
-as markdown.
+``GPU_CHECK_ON_CPU=1`` asks for the CPU smoke run). Each check's wall time is recorded; at the
+end of the session the summary tables (``report.py``) are printed, failed checks or not, and,
+when ``GPU_CHECK_REPORT`` names a file, written there as markdown.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.gpu import harness, report
+from tests.gpu.report import check_phase
 
 HERE = Path(__file__).resolve().parent
 
@@ -28,6 +29,12 @@ def pytest_collection_modifyitems(config, items):
     if reason is not None:
         for item in ours:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_runtest_logreport(report):
+    """Each phase of each test here (pytest calls a directory's conftest for its own tests
+    only), for the table of the checks' times. ``report`` is pytest's report of the phase."""
+    check_phase(report.nodeid.rsplit("::", 1)[-1], report.when, report.duration, report.outcome)
 
 
 def _header() -> str:

@@ -20,10 +20,19 @@ ON_CPU_ENV = "GPU_CHECK_ON_CPU"
 """Set to 1: run every check on CPU (gloo, shrunk sizes): the harness's own smoke test."""
 REPORT_ENV = "GPU_CHECK_REPORT"
 """A path: the summary table is also written there as markdown (for docs/performance.md)."""
+COMPILE_CACHE_ENV = "GPU_CHECK_COMPILE_CACHE"
+"""A directory: the programs' TorchInductor and Triton cache, kept between runs (default: a new
+one in the run's directory, so every run compiles cold)."""
 
 
 def on_cpu() -> bool:
     return os.environ.get(ON_CPU_ENV, "").strip() not in ("", "0")
+
+
+def compile_cache() -> Path | None:
+    """``GPU_CHECK_COMPILE_CACHE``'s directory, or None."""
+    value = os.environ.get(COMPILE_CACHE_ENV, "").strip()
+    return Path(value).expanduser().resolve() if value else None
 
 
 def skip_reason() -> str | None:
@@ -70,7 +79,8 @@ class Sizes:
     iters: int
     """Iterations of the timed run (check 2)."""
     resume_iters: int
-    """Iterations of the exact-resume pair (check 3), saved half-way."""
+    """Iterations of the exact-resume pair (check 3), saved half-way: enough to resume inside
+    the learning-rate warm-up and go past it; each run's cost is its start-up, not these."""
     warmup: int
     """Logged iterations left out of the timings."""
     ce_drop: float
@@ -84,7 +94,8 @@ class Sizes:
     gpt_iters: int
     max_new_tokens: int
     workers: int
-    """tools/preprocess_data.py's tokenizer processes."""
+    """tools/preprocess_data.py's tokenizer processes (each imports transformers: at 1M tokens
+    more of them cost more than they save)."""
     timeout: float = 600
     """Seconds one program may run."""
 
@@ -109,7 +120,7 @@ GPU_SIZES = Sizes(
     },
     llama_batch=(16, 16),
     iters=40,
-    resume_iters=20,
+    resume_iters=8,
     warmup=5,
     ce_drop=1.0,
     tempnet={"tempnet-hidden-size": 256, "tempnet-proj-size": 256, "tempnet-rho": 10},
@@ -136,7 +147,7 @@ GPU_SIZES = Sizes(
     gpt_batch=(4, 16),
     gpt_iters=10,
     max_new_tokens=32,
-    workers=8,
+    workers=2,
 )
 
 CPU_SIZES = Sizes(
@@ -210,9 +221,19 @@ def train_rows(path: Path) -> list[dict]:
     return [r for r in metrics(path) if "loss" in r]
 
 
+def _link(src: str, dst: str) -> None:
+    """A hard link (no copy of gigabytes), or a copy across file systems."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def copy_checkpoint(save_dir: Path, iteration: int, to: Path) -> Path:
     """A new --load directory holding only ``save_dir``'s checkpoint of ``iteration`` (named by
-    ``latest``), as a run that had stopped there would have left it."""
+    ``latest``), as a run that had stopped there would have left it. The checkpoint's files are
+    hard links (loading only reads them, a run saves into a new directory); the config files,
+    which a run rewrites, are copies."""
     from megatron_tempnet.trainer.checkpoint_format import (
         CONFIG,
         CONFIG_YAML,
@@ -222,7 +243,7 @@ def copy_checkpoint(save_dir: Path, iteration: int, to: Path) -> Path:
 
     to.mkdir(parents=True)
     tag = tag_for(iteration)
-    shutil.copytree(save_dir / tag, to / tag)
+    shutil.copytree(save_dir / tag, to / tag, copy_function=_link)
     for name in (CONFIG, CONFIG_YAML):
         if (save_dir / name).exists():
             shutil.copy2(save_dir / name, to / name)

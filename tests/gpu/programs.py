@@ -3,12 +3,15 @@
 Every program is a fresh process of this interpreter (``sys.executable``): training under
 ``torch.distributed.run --standalone`` (ranks on GPUs of their own when several runs share a
 machine), tools as plain processes; its output, every rank's, in ``LOG_DIR/name.log``. CPU mode:
-gloo, DeepSpeed's CPU accelerator, no GPU visible, one OpenMP thread per rank.
+gloo, DeepSpeed's CPU accelerator, no GPU visible, one OpenMP thread per rank. Each program's
+wall time goes to the summary (``report.PROGRAMS``), whether it succeeds or not.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +19,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.gpu import report
 from tests.gpu.harness import REPO, gpu_count, on_cpu, sizes
+
+FIRST_ITERATION = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ iteration \d+ \|", re.MULTILINE
+)
+"""The first training iteration's line in a log (utils/cli.py's format: asctime, level)."""
 
 
 def environment(devices: list[int] | None = None) -> dict[str, str]:
@@ -49,6 +58,13 @@ class Program:
     log_dir: Path
     proc: subprocess.Popen
     started: float
+    """``time.monotonic()`` at its start."""
+    started_at: float
+    """``time.time()`` at its start (its log's timestamps are wall-clock)."""
+    check: str
+    """The test (and phase) that started it."""
+    seconds: float | None = None
+    """Its wall time, once it has ended."""
 
     def wait(self, timeout: float) -> float:
         """Wait for the program; its wall time in seconds, or ``ProgramError`` (the program
@@ -56,20 +72,24 @@ class Program:
         try:
             code = self.proc.wait(timeout=max(1.0, timeout - (time.monotonic() - self.started)))
         except subprocess.TimeoutExpired:
-            self.stop()
+            self.stop("timed out")
             message = f"{self.name}: still running after {timeout:.0f} s\n{self.tail()}"
             raise ProgramError(message) from None
         except BaseException:  # the test was interrupted or timed out: no orphaned ranks
-            self.stop()
+            self.stop("interrupted")
             raise
+        self._ended("ok" if code == 0 else f"exit {code}")
         if code != 0:
             raise ProgramError(f"{self.name}: exit status {code}\n{self.tail()}")
-        return time.monotonic() - self.started
+        return self.seconds
 
-    def stop(self, grace: float = 30.0) -> None:
+    def stop(self, outcome: str = "stopped", grace: float = 30.0) -> None:
         """End the program: SIGTERM (torchrun passes it to its ranks), then after ``grace``
-        seconds SIGKILL to its whole process group."""
-        if self.proc.poll() is not None:
+        seconds SIGKILL to its whole process group. ``outcome``: what the summary says of it,
+        unless it had already ended."""
+        code = self.proc.poll()
+        if code is not None:
+            self._ended("ok" if code == 0 else f"exit {code}")
             return
         self.proc.terminate()
         try:
@@ -77,6 +97,20 @@ class Program:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        self._ended(outcome)
+
+    def _ended(self, outcome: str) -> None:
+        """Its wall time, recorded once, with the time to its first training iteration."""
+        if self.seconds is not None:
+            return
+        self.seconds = time.monotonic() - self.started
+        first, line = None, FIRST_ITERATION.search(self.output())
+        if line is not None:
+            logged = datetime.datetime.strptime(line.group(1), "%Y-%m-%d %H:%M:%S,%f")
+            first = logged.timestamp() - self.started_at
+        report.PROGRAMS.append(
+            report.ProgramTime(self.name, self.check, self.seconds, outcome, first)
+        )
 
     def tail(self, chars: int = 5000) -> str:
         text = (self.log_dir / f"{self.name}.log").read_text(errors="replace")
@@ -107,6 +141,7 @@ def start(
     head = [str(Path(__file__).with_name(wrapper))] if wrapper else []
     cmd = [sys.executable, *launcher, *head, str(REPO / target), *map(str, args)]
     log_dir.mkdir(parents=True, exist_ok=True)
+    started_at = time.time()
     with open(log_dir / f"{name}.log", "wb") as log:
         proc = subprocess.Popen(
             cmd,
@@ -117,7 +152,24 @@ def start(
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group, for ``stop``
         )
-    return Program(name, cmd, log_dir, proc, time.monotonic())
+    return Program(name, cmd, log_dir, proc, time.monotonic(), started_at, _current_check())
+
+
+def _current_check() -> str:
+    """The running test and phase, from pytest's ``PYTEST_CURRENT_TEST``
+    (``tests/gpu/test_gpu_check.py::test_x (setup)`` -> ``test_x (setup)``)."""
+    return os.environ.get("PYTEST_CURRENT_TEST", "-").rsplit("::", 1)[-1]
+
+
+def wait_all(programs: list[Program], timeout: float) -> None:
+    """Wait for ``programs``, started side by side, one after another; a failure stops those
+    still running and raises ``ProgramError``."""
+    try:
+        for program in programs:
+            program.wait(timeout)
+    finally:
+        for program in programs:
+            program.stop()
 
 
 def run(name: str, target: str, args: list[str], log_dir: Path, **kw) -> Program:

@@ -3,8 +3,11 @@
 Per training run: the device, the layout, the step time, the throughput, the model FLOPs
 utilisation and the peak memory against the memory planner's estimate for the same
 configuration (``models/gpt/memory.py``, what tools/estimate_memory.py prints); per attention
-shape: the kernels that ran. The checks add their results here (``TRAINING``, ``ATTENTION``);
-conftest.py prints the tables at the end of the session and writes them as markdown.
+shape: the kernels that ran; per check and per program: its wall time. The checks add their
+results here (``TRAINING``, ``ATTENTION``; a check records its row before its assertions, so a
+failing check keeps its numbers), programs.py its programs' times (``PROGRAMS``) and conftest.py
+each check's (``CHECKS``); conftest.py prints the tables at the end of the session and writes
+them as markdown.
 
 Model FLOPs per token are the training log's (--log-throughput): Megatron-LM's count of a GPT,
 ``models.gpt.flops.flops_per_token`` (6 x the weights in matrix products, TempNet's W1 and W2
@@ -73,9 +76,59 @@ class TrainingRun:
         ]
 
 
+@dataclass
+class ProgramTime:
+    """One program of the run (programs.py), started as a user starts it."""
+
+    name: str
+    check: str
+    """The check (test, and its phase: a fixture's programs run in ``setup``) that started it."""
+    seconds: float
+    """Wall time from its start to its end."""
+    outcome: str
+    """ok, exit N, timed out, stopped (another program of its batch failed)."""
+    first_iteration: float | None = None
+    """Seconds from its start to its first logged training iteration (start-up: imports,
+    distributed and DeepSpeed init, model, data, compilation, the first iteration); None: it
+    logs none."""
+
+    def cells(self) -> list[str]:
+        first = "-" if self.first_iteration is None else f"{self.first_iteration:.1f}"
+        return [self.name, self.check, f"{self.seconds:.1f}", first, self.outcome]
+
+
+@dataclass
+class CheckTime:
+    """One test's wall time, fixtures (data, shared runs) in ``setup``."""
+
+    name: str
+    outcome: str = "passed"
+    setup: float = 0.0
+    call: float = 0.0
+    teardown: float = 0.0
+
+    def cells(self) -> list[str]:
+        total = self.setup + self.call + self.teardown
+        return [self.name, self.outcome, f"{self.setup:.1f}", f"{self.call:.1f}", f"{total:.1f}"]
+
+
 TRAINING: list[TrainingRun] = []
 ATTENTION: list[list[str]] = []
 """Rows: shape, dtype, forward ops, backward ops, CUDA kernels."""
+PROGRAMS: list[ProgramTime] = []
+CHECKS: dict[str, CheckTime] = {}
+"""By test name, in the order they ran."""
+
+
+def check_phase(name: str, when: str, seconds: float, outcome: str) -> None:
+    """Add one phase (setup, call, teardown) of test ``name`` to its time; its outcome is the
+    worst of its phases' (pytest's: passed, failed, skipped; a failed setup is an error)."""
+    check = CHECKS.setdefault(name, CheckTime(name))
+    setattr(check, when, getattr(check, when) + seconds)
+    if outcome == "failed":
+        check.outcome = "error" if when == "setup" else "failed"
+    elif outcome == "skipped" and check.outcome == "passed":
+        check.outcome = "skipped"
 
 
 def _timing(rows: list[dict], warmup: int, per_iteration: float, unit: str):
@@ -210,6 +263,8 @@ TRAINING_HEADER = [
     "peak / planner",
 ]
 ATTENTION_HEADER = ["shape", "dtype", "forward", "backward", "CUDA kernels"]
+CHECK_HEADER = ["check", "result", "setup s", "call s", "wall s"]
+PROGRAM_HEADER = ["program", "started by", "wall s", "to 1st iteration s", "result"]
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -218,8 +273,25 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _times() -> list[str]:
+    """The checks' and the programs' wall times, with the session's total."""
+    checks = list(CHECKS.values())
+    total = sum(c.setup + c.call + c.teardown for c in checks)
+    rows = [c.cells() for c in checks] + [["total", "", "", "", f"{total:.1f}"]]
+    parts = [table(CHECK_HEADER, rows)]
+    if PROGRAMS:
+        parts.append(table(PROGRAM_HEADER, [p.cells() for p in PROGRAMS]))
+    parts.append(
+        "Wall times in seconds; a check's setup holds the fixtures it is the first to use (the "
+        "data, check 2's run, check 6's runs). Programs: every one a fresh process; to 1st "
+        "iteration: start-up, data, compilation and the first iteration, from its log."
+    )
+    return parts
+
+
 def markdown() -> str:
-    """Both tables (the empty ones left out), or '' when no check recorded anything."""
+    """The tables (the empty ones left out), or '' when no check ran (all skipped)."""
+    ran = any(c.outcome != "skipped" for c in CHECKS.values())
     parts = []
     if TRAINING:
         parts.append(table(TRAINING_HEADER, [run.cells() for run in TRAINING]))
@@ -233,6 +305,8 @@ def markdown() -> str:
         )
     if ATTENTION:
         parts.append(table(ATTENTION_HEADER, ATTENTION))
+    if ran or PROGRAMS:
+        parts += _times()
     return "\n\n".join(parts)
 
 

@@ -17,8 +17,11 @@
 6. With 2+ GPUs: a float32 GPT at 1 GPU, TP 2, PP 2 and DP 2 with ZeRO 1/2/3 gives the same loss
    curve within 1e-5, and a TP 2 checkpoint resumed at DP 2 continues the TP 2 curve.
 
-Each training run adds a row to the summary table (conftest.py). ``GPU_CHECK_ON_CPU=1`` runs all
-of it on CPU at small sizes (harness.py), skipping only what needs CUDA.
+Each training run adds a row to the summary table (conftest.py) as soon as it has run, before
+its check's assertions, so a failing check keeps its numbers; each check's and each program's
+wall time is in the summary too. All programs of a run share one TorchInductor/Triton cache
+(``work``). ``GPU_CHECK_ON_CPU=1`` runs all of it on CPU at small sizes (harness.py), skipping
+only what needs CUDA.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from tests.gpu import report
 from tests.gpu.attention_probe import MATH_OP, probe
 from tests.gpu.data import build_tokenizer, preprocess, word_documents, write_jsonl
 from tests.gpu.harness import (
+    compile_cache,
     copy_checkpoint,
     device_name,
     flags,
@@ -44,7 +48,7 @@ from tests.gpu.harness import (
     sizes,
     train_rows,
 )
-from tests.gpu.programs import Job, run, run_jobs
+from tests.gpu.programs import Job, run, run_jobs, start, wait_all
 from tests.helpers.corpus import digits_pairs
 
 pytestmark = pytest.mark.gpu
@@ -63,9 +67,21 @@ EXACT = ("loss", "ce_loss", "tau_mean", "tau_std", "grad_norm", "lr", "consumed_
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     """The checks' directory; its checkpoints (gigabytes each at GPU sizes) are deleted at the
-    end, its logs and metrics kept."""
+    end, its logs, metrics and compile cache kept.
+
+    Every program is a fresh process that compiles megatron-core's fusions (torch.compile); they
+    all share one TorchInductor and Triton cache, so a program that compiles what an earlier one
+    did (the fusion probe, check 2's graphs in check 3) loads it instead. By default it is
+    ``compile-cache`` here: every gpu-check starts cold, as the estimate in docs/testing.md
+    assumes; ``GPU_CHECK_COMPILE_CACHE`` names one kept between runs."""
     path = tmp_path_factory.mktemp("gpu-check")
-    yield path
+    cache = compile_cache() or path / "compile-cache"
+    with pytest.MonkeyPatch.context() as env:
+        # (torch sets TORCHINDUCTOR_CACHE_DIR in this process as soon as inductor asks for it)
+        env.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+        # one Triton cache for every GPU (inductor's default is one per device index)
+        env.setenv("TRITON_CACHE_DIR", str(cache / "triton"))
+        yield path
     for ckpt in sorted(path.rglob("ckpt")):
         shutil.rmtree(ckpt, ignore_errors=True)
 
@@ -171,6 +187,11 @@ def test_attention_runs_a_fused_kernel_in_bf16():
 def test_llama_trains_in_bf16_with_tempnet_and_the_dro_loss(trained):
     s, rows = sizes(), trained["rows"]
     train = [r for r in rows if "loss" in r]
+    config = _config(trained["ckpt"])
+    row = report.gpt_run(
+        "LLaMA + TempNet, DRO (check 2)", config, train, 1, s.warmup, device_name()
+    )
+    report.TRAINING.append(row)  # first: a failing assertion below keeps the numbers
     assert [r["iteration"] for r in train] == list(range(1, s.iters + 1))
     for r in train:
         for key in ("loss", "ce_loss", "tau_mean", "tau_std", "grad_norm", "tokens_per_sec"):
@@ -185,15 +206,20 @@ def test_llama_trains_in_bf16_with_tempnet_and_the_dro_loss(trained):
     val = [r for r in rows if "val_ppl" in r]
     assert [r["iteration"] for r in val] == [s.iters] and report.finite(val[0]["val_tllm_ppl"])
     assert val[0]["val_ppl"] == pytest.approx(math.exp(val[0]["val_ce_loss"]), rel=1e-6)
-    config = _config(trained["ckpt"])
     assert (config["loss"]["loss"], config["loss"]["tau_source"]) == ("dro", "tempnet")
     assert config["loss"]["fused_output_stage"] and config["model"]["attention_backend"] == "auto"
-    row = report.gpt_run(
-        "LLaMA + TempNet, DRO (check 2)", config, train, 1, s.warmup, device_name()
-    )
-    report.TRAINING.append(row)
     if not on_cpu():  # on CPU memory_mb is the resident set, not tensor memory
         assert 0.5 < row.memory_mib / row.estimate_mib < 2, (row.memory_mib, row.estimate_mib)
+
+
+def _record_resume_row(name: str, path) -> None:
+    """Check 3's row for one of its runs; its first iteration (start-up, compilation) left out
+    of the timing, the only warm-up a run of a few iterations can spare."""
+    rows = train_rows(path / "metrics.jsonl")
+    warmup = rows[0]["iteration"] if rows else 0
+    config = _config(path / "ckpt")
+    name = f"deterministic, {name} (check 3)"
+    report.TRAINING.append(report.gpt_run(name, config, rows, 1, warmup, device_name()))
 
 
 def test_a_resumed_run_continues_the_uninterrupted_one_exactly(corpus, work):
@@ -216,6 +242,7 @@ def test_a_resumed_run_continues_the_uninterrupted_one_exactly(corpus, work):
         devices=[0],
         wrapper="deterministic.py",
     )
+    _record_resume_row("straight", straight)
     copy_checkpoint(straight / "ckpt", half, resumed / "ckpt")
     again = run(
         "resumed",
@@ -226,6 +253,7 @@ def test_a_resumed_run_continues_the_uninterrupted_one_exactly(corpus, work):
         devices=[0],
         wrapper="deterministic.py",
     )
+    _record_resume_row("resumed", resumed)
     assert f"resumed from {resumed / 'ckpt' / tag_for(half)}" in again.output()
     want, got = metrics(straight / "metrics.jsonl"), metrics(resumed / "metrics.jsonl")
     assert [r["iteration"] for r in got if "loss" in r] == list(range(half + 1, iters + 1))
@@ -244,33 +272,34 @@ def test_a_resumed_run_continues_the_uninterrupted_one_exactly(corpus, work):
     for fqn in a:
         x, y = (load_full(d, fqn, saved[fqn]) for d, saved in zip(dirs, (a, b)))
         assert torch.equal(x, y), fqn
-    for name, path in (("straight", straight), ("resumed", resumed)):
-        rows = train_rows(path / "metrics.jsonl")
-        warmup = rows[0]["iteration"] - 1 + s.warmup  # the first iterations of this process
-        config = _config(path / "ckpt")
-        name = f"deterministic, {name} (check 3)"
-        report.TRAINING.append(report.gpt_run(name, config, rows, 1, warmup, device_name()))
 
 
 def test_generate_and_evaluate_on_the_trained_checkpoint(corpus, trained, work):
     s, logs = sizes(), work / "logs"
     prompts = [" ".join(corpus["words"][i::997][:n]) for i, n in ((3, 5), (11, 20), (29, 1))]
     (work / "prompts.txt").write_text("".join(p + "\n" for p in prompts))
-    out = work / "generated.jsonl"
-    run(
-        "generate",
-        "tools/generate.py",
-        flags(
-            {
-                "load": trained["ckpt"],
-                "prompts": work / "prompts.txt",
-                "output": out,
-                "bf16": True,
-                "max-new-tokens": s.max_new_tokens,
-                "ignore-eod": True,
-            }
-        ),
-        logs,
+    out, summary = work / "generated.jsonl", work / "evaluation.json"
+    generate = {
+        "load": trained["ckpt"],
+        "prompts": work / "prompts.txt",
+        "output": out,
+        "bf16": True,
+        "max-new-tokens": s.max_new_tokens,
+        "ignore-eod": True,
+    }
+    evaluate = {
+        "load": trained["ckpt"],
+        "jsonl": corpus["heldout"],
+        "output": summary,
+        "bf16": True,
+    }
+    # side by side: each reads the checkpoint and nothing else, and neither is timed
+    wait_all(
+        [
+            start("generate", "tools/generate.py", flags(generate), logs),
+            start("evaluate", "tools/evaluate.py", flags(evaluate), logs),
+        ],
+        s.timeout,
     )
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in records] == prompts
@@ -278,15 +307,6 @@ def test_generate_and_evaluate_on_the_trained_checkpoint(corpus, trained, work):
         assert len(r["token_ids"]) == len(r["tau"]) == s.max_new_tokens, r
         assert all(0 <= t < s.vocab for t in r["token_ids"]) and r["response"].strip()
         assert all(0.001 <= t <= 2 for t in r["tau"]) and r["tau_source"] == "tempnet"
-    summary = work / "evaluation.json"
-    run(
-        "evaluate",
-        "tools/evaluate.py",
-        flags(
-            {"load": trained["ckpt"], "jsonl": corpus["heldout"], "output": summary, "bf16": True}
-        ),
-        logs,
-    )
     got = json.loads(summary.read_text())
     val = [r for r in trained["rows"] if "val_ppl" in r][-1]
     assert got["tokens"] > 1000 and 1 < got["ppl"] < s.vocab and report.finite(got["tllm_ppl"])
@@ -324,6 +344,12 @@ def test_clip_with_tempnet_trains_and_evaluates(work):
     run("clip", "pretrain_clip.py", args, work / "logs", nproc=1, devices=[0])
     rows = metrics(out / "metrics.jsonl")
     train = [r for r in rows if "loss" in r]
+    with open(data["train"]) as f:
+        pairs = sum(1 for _ in f) - 1
+    config = _config(out / "ckpt")
+    name = "CLIP + TempNet (check 4)"
+    row = report.clip_run(name, config, train, 1, s.warmup, device_name(), pairs)
+    report.TRAINING.append(row)  # first: a failing assertion below keeps the numbers
     assert [r["iteration"] for r in train] == list(range(1, s.clip_iters + 1))
     assert all(report.finite(r["loss"]) and report.finite(r["tau_mean"]) for r in train)
     assert statistics.mean(r["loss"] for r in train[-3:]) < train[0]["loss"]  # it learns
@@ -331,19 +357,6 @@ def test_clip_with_tempnet_trains_and_evaluates(work):
     assert len(final) == 1 and final[0]["iteration"] == s.clip_iters  # evaluated at the end
     for key in ("val_zeroshot_top1", "val_ir@1", "val_tr@1", "val_ir@5"):
         assert report.finite(final[0][key]) and 0 <= final[0][key] <= 100, (key, final[0])
-    with open(data["train"]) as f:
-        pairs = sum(1 for _ in f) - 1
-    report.TRAINING.append(
-        report.clip_run(
-            "CLIP + TempNet (check 4)",
-            _config(out / "ckpt"),
-            train,
-            1,
-            s.warmup,
-            device_name(),
-            pairs,
-        )
-    )
 
 
 # float32 means float32: no TF32 matrix products, whatever the machine's defaults (NGC's
@@ -398,13 +411,17 @@ def layout_runs(corpus, work):
     run_jobs(
         [Job("init", "pretrain_gpt.py", _gpt_args(corpus, root, "init", **init), 1, FP32)], logs
     )
-    start = _from_init(root)
-    jobs = [Job("gpt-1gpu", "pretrain_gpt.py", _gpt_args(corpus, root, "1gpu", **start), 1, FP32)]
+    from_init = _from_init(root)
+    argv = _gpt_args(corpus, root, "1gpu", **from_init)
+    jobs = [Job("gpt-1gpu", "pretrain_gpt.py", argv, 1, FP32)]
     for name, (nproc, layout) in GPT_LAYOUTS.items():
         save = {"save": root / name / "ckpt", "save-interval": half} if name == "tp2" else {}
-        argv = _gpt_args(corpus, root, name, **start, **layout, **save)
+        argv = _gpt_args(corpus, root, name, **from_init, **layout, **save)
         jobs.append(Job(f"gpt-{name}", "pretrain_gpt.py", argv, nproc, FP32))
-    run_jobs(jobs, logs)
+    try:
+        run_jobs(jobs, logs)
+    finally:  # before any assertion: the rows of the runs that finished, even if one failed
+        _record_layout_rows(corpus, root)
     resume = {"load": root / "resumed" / "ckpt", "zero-stage": 1}
     copy_checkpoint(root / "tp2" / "ckpt", half, root / "resumed" / "ckpt")
     argv = _gpt_args(corpus, root, "resumed", **resume)
@@ -428,9 +445,16 @@ def test_parallel_layouts_give_the_same_float32_curve(corpus, layout_runs):
             for key in ("loss", "ce_loss", "tau_mean", "grad_norm"):
                 assert got[key] == pytest.approx(want[key], rel=1e-5), (name, got["iteration"])
             assert got["consumed_samples"] == want["consumed_samples"]
+
+
+def _record_layout_rows(corpus, root) -> None:
+    """Check 6's rows, one per layout whose run logged every iteration."""
     for name, (nproc, layout) in {"1gpu": (1, {}), **GPT_LAYOUTS}.items():
+        path = root / name / "metrics.jsonl"
+        rows = train_rows(path) if path.exists() else []
+        if len(rows) < sizes().gpt_iters:
+            continue
         config = _resolved(_gpt_args(corpus, root, name, **_from_init(root), **layout))
-        rows = train_rows(root / name / "metrics.jsonl")
         row = report.gpt_run(f"GPT fp32 {name} (check 6)", config, rows, nproc, 2, device_name())
         report.TRAINING.append(row)
 
