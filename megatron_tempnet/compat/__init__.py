@@ -14,11 +14,13 @@ ever edited. Four jobs, one module each:
 * ``pipeline``: DeepSpeed's pipeline module and engine internals (pieces, tied copies, layer
   files, a last-stage-only backward);
 
-and ``rotary``: megatron-core's ``RotaryEmbedding`` with the caller's frequencies.
+and ``rotary``: megatron-core's ``RotaryEmbedding`` with the caller's frequencies;
+``build_locks``: the lock files a killed build of a DeepSpeed op leaves behind.
 
 The names the rest of the library uses are exported here: ``compat.engine_class``.
 """
 
+from megatron_tempnet.compat.build_locks import remove_stale_build_locks
 from megatron_tempnet.compat.checks import (
     SUPPORTED_DEEPSPEED,
     SUPPORTED_MEGATRON_CORE,
@@ -79,6 +81,7 @@ __all__ = [
     "pipeline_first_index",
     "pipeline_pieces",
     "pipeline_tied_modules",
+    "remove_stale_build_locks",
     "rng_runtime",
     "rotary_embedding_class",
     "tracker_states_restorable",

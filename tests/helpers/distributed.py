@@ -28,6 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_tempnet.compat.build_locks import remove_stale_build_locks
 from tests.helpers import device_rules
 from tests.helpers.processes import context
 
@@ -73,6 +74,8 @@ def run_distributed(
     fn, world_size: int, args: tuple = (), kwargs: dict | None = None, timeout: float = 180.0
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results."""
+    # a DeepSpeed op's build killed by an earlier test would make every rank wait forever
+    remove_stale_build_locks()
     ctx = context()
     store = dist.TCPStore(
         _HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
