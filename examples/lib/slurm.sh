@@ -19,6 +19,9 @@ die() {
 #   NPROC_PER_NODE  [tasks per node of the allocation] one task (rank) per GPU; each task
 #                   finds its GPU whether it sees all of the node's (--gpus-per-node) or only
 #                   its own (--gpus-per-task 1)
+#   CPUS_PER_TASK   [the job's --cpus-per-task, else the node's CPUs / NPROC_PER_NODE] given to
+#                   srun: since Slurm 22.05 srun does not take it from the job, and each task
+#                   (its data loader workers, its compile threads) would get one CPU
 tempnet_init() {
     [ -n "${SLURM_JOB_ID:-}" ] || die "submit this script with sbatch (SLURM_JOB_ID is not set)"
     [ -f "$REPO/pretrain_gpt.py" ] || die "REPO=$REPO holds no pretrain_gpt.py: submit from the repository root or set REPO"
@@ -29,13 +32,16 @@ tempnet_init() {
     NODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
     NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_NTASKS_PER_NODE:-8}}
     NPROC_PER_NODE=${NPROC_PER_NODE%%(*}
+    local node_cpus=${SLURM_CPUS_ON_NODE:-$NPROC_PER_NODE}
+    CPUS_PER_TASK=${CPUS_PER_TASK:-${SLURM_CPUS_PER_TASK:-$((node_cpus / NPROC_PER_NODE))}}
+    [ "$CPUS_PER_TASK" -ge 1 ] 2>/dev/null || CPUS_PER_TASK=1
     DEVICE=${DEVICE:-gpu}
     case $DEVICE in
         gpu) ;;
         cpu) export DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} ;;
         *) die "DEVICE=$DEVICE: use gpu or cpu" ;;
     esac
-    echo "job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}): ${NODES} node(s) x ${NPROC_PER_NODE} tasks on ${DEVICE}"
+    echo "job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}): ${NODES} node(s) x ${NPROC_PER_NODE} tasks x ${CPUS_PER_TASK} CPUs on ${DEVICE}"
 }
 
 # tempnet_launch FLAGS...: the entry point (ENTRY [pretrain_gpt.py], or pretrain_clip.py) with FLAGS on every task of the allocation (srun sets each
@@ -45,7 +51,7 @@ tempnet_init() {
 # does not kill the others when the first exits (75 is a non-zero status), it gives them
 # TASK_EXIT_WAIT seconds [120] (a crashed rank leaves the others waiting in a collective).
 tempnet_launch() {
-    srun --nodes="$NODES" --ntasks-per-node="$NPROC_PER_NODE" \
+    srun --nodes="$NODES" --ntasks-per-node="$NPROC_PER_NODE" --cpus-per-task="$CPUS_PER_TASK" \
         --ntasks=$((NODES * NPROC_PER_NODE)) --kill-on-bad-exit=0 --wait="${TASK_EXIT_WAIT:-120}" \
         "$PYTHON" "$REPO/${ENTRY:-pretrain_gpt.py}" "$@" &
     local pid=$! status

@@ -7,10 +7,12 @@ torch.distributed reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from datetime import timedelta
 
 from megatron_tempnet.utils.cli import UserError
 
@@ -100,3 +102,76 @@ def bind_device() -> int | None:
     )
     torch.cuda.set_device(index)
     return index
+
+
+def init_default_group(timeout: timedelta | None = None) -> int | None:
+    """torch.distributed's default group (NCCL on this process's own GPU, gloo without CUDA),
+    created before DeepSpeed's ``init_distributed``, which then adopts it. Returns the GPU's
+    index among the visible ones (None without CUDA).
+
+    DeepSpeed would create the group itself with ``device_id=cuda:LOCAL_RANK`` whenever the
+    world has more than one process: under ``srun --gpus-per-task 1`` (each process sees its
+    own GPU only, as ``cuda:0``) ``LOCAL_RANK`` 3 names a device that does not exist there. The
+    group is bound to the device ``bind_device`` chose instead, as Megatron-LM binds it.
+    """
+    import torch
+    import torch.distributed as dist
+
+    device = bind_device()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    options = {} if timeout is None else {"timeout": timeout}  # None: torch's default
+    if device is not None and world > 1:  # NCCL's communicators on the right GPU from the start
+        options["device_id"] = torch.device("cuda", device)
+    dist.init_process_group("nccl" if device is not None else "gloo", **options)
+    return device
+
+
+class GlooInterfaceError(UserError, RuntimeError):
+    """gloo would listen on a loopback address in a job that spans several hosts."""
+
+
+def node_count(env: Mapping[str, str]) -> int | None:
+    """Hosts of the job: SLURM's node count under srun, torchrun's world over its local world
+    (None when neither says)."""
+    if "SLURM_PROCID" in env and env.get("SLURM_NNODES", "").isdigit():
+        return int(env["SLURM_NNODES"])
+    world, local = env.get("WORLD_SIZE", ""), env.get("LOCAL_WORLD_SIZE", "")
+    if world.isdigit() and local.isdigit() and int(local) > 0:
+        return -(-int(world) // int(local))
+    return None
+
+
+def gloo_interface_problem(
+    env: Mapping[str, str],
+    host: str | None = None,
+    resolve: Callable[[str], list[str]] | None = None,
+) -> str | None:
+    """Why gloo cannot connect this host to the others, or None.
+
+    Checkpoints exchange over gloo (``GLOO_SOCKET_IFNAME`` picks its network interface). Without
+    it, gloo listens on the first address its host's name resolves to; Debian's and Ubuntu's
+    ``/etc/hosts`` map the name to ``127.0.1.1``, a loopback address the other hosts cannot
+    reach, and their connections fail or wait for the group's timeout.
+    """
+    if env.get("GLOO_SOCKET_IFNAME") or (node_count(env) or 1) < 2:
+        return None
+    host = host or socket.gethostname()
+    try:
+        addresses = (resolve or _addresses)(host)
+    except OSError:
+        return None  # torch.distributed says so itself, when it first needs the address
+    if not addresses or not ipaddress.ip_address(addresses[0]).is_loopback:
+        return None
+    return (
+        f"this job spans several hosts, and this host's name {host} resolves to "
+        f"{addresses[0]}, a loopback address: gloo (checkpoints) would listen there, out of the "
+        "other hosts' reach; set GLOO_SOCKET_IFNAME to the network interface NCCL uses (e.g. "
+        "export GLOO_SOCKET_IFNAME=ib0; `ip -brief address` lists them), or map the name to a "
+        "routable address in /etc/hosts"
+    )
+
+
+def _addresses(host: str) -> list[str]:
+    """``host``'s addresses in the order the resolver gives them (gloo takes the first)."""
+    infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    return [info[4][0].split("%")[0] for info in infos]

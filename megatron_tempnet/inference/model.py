@@ -102,7 +102,11 @@ def init_inference(tensor_parallel: int) -> None:
     """torch.distributed over this job's processes (``tensor_parallel`` of them) and
     megatron-core's groups; a lone process with TP = 1 needs no launcher."""
     from megatron_tempnet.compat import apply_cpu_support
-    from megatron_tempnet.distributed.launch import bind_device, launch_environment
+    from megatron_tempnet.distributed.launch import (
+        bind_device,
+        init_default_group,
+        launch_environment,
+    )
 
     apply_cpu_support()
     if dist.is_initialized():  # the caller set up the processes
@@ -115,9 +119,10 @@ def init_inference(tensor_parallel: int) -> None:
             f"--tensor-model-parallel-size ({tensor_parallel}) must equal the number of "
             f"processes ({world}): launch with torchrun --nproc-per-node {tensor_parallel}"
         )
-    bind_device()  # before NCCL's first use
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if dist.is_initialized():
+        bind_device()  # before NCCL's first use
+    else:
+        init_default_group()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
 

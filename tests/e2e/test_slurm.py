@@ -160,7 +160,7 @@ def reference(cluster, llama_lm, tmp_path_factory):
 def test_llama70b_recipe_runs_under_slurm(reference, llama_lm):
     log = (reference["dir"] / "job.out").read_text()
     assert reference["state"] == "COMPLETED" and reference["exit"] == "0:0", log[-3000:]
-    assert "1 node(s) x 2 tasks on cpu" in log
+    assert "1 node(s) x 2 tasks x 1 CPUs on cpu" in log
     run = reference["dir"] / "run"
     rows = _rows(run / "metrics.jsonl")
     assert [r["iteration"] for r in rows] == list(range(1, REFERENCE_ITERS + 1))
