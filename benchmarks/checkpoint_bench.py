@@ -14,7 +14,8 @@ Per rank: the bytes it writes (``wchar`` of /proc/self/io) and reads (``rchar``:
 do not show there; the checkpointer counts the bytes it copies out of the files and the bytes
 it reads to check digests), the host memory a save or load adds (VmHWM after it less VmRSS
 before it, with VmHWM reset first; glibc returns freed tensors, ``common.GLIBC_RETURNS_MEMORY``)
-and the wall time between barriers; with --async-save, the time training is blocked. The loss
+and the wall time between barriers; with --async-save, the time training is blocked and the host
+buffer its copies live in against the bytes of the rank's boxes (target <= 1.05x). The loss
 of a fixed batch after the step and after every load shows that the load restored the trained
 weights. Each phase runs in its own launch (fresh processes); the checkpoint lives in a
 temporary directory under ``--tmp``, deleted after each case.
@@ -59,6 +60,7 @@ IO_NOTE = (
 )
 GLOBAL_BATCH = 2
 ITERATION = 1
+HOST_TARGET = 1.05  # --async-save's host buffer / the bytes of the rank's boxes
 
 
 @dataclass
@@ -269,9 +271,11 @@ def phase_save(args) -> dict:
     async_parts, async_row = measured(lambda: save_async(ITERATION))
     steady_parts, _ = measured(lambda: save_async(ITERATION + 1))
     shutil.rmtree(background, ignore_errors=True)
+    host = checkpointer.host_copies  # the host buffer against the bytes of the rank's boxes
     return dict(row, parts=parts, loss=loss, trained=whole, local=local, tp=model.tp, dp=model.dp,
                 async_parts=async_parts, async_peak_added=async_row["peak_added"],
-                steady_parts=steady_parts)  # fmt: skip
+                steady_parts=steady_parts, async_host_held=host.bytes_held,
+                async_host_partition=host.bytes_needed)  # fmt: skip
 
 
 def phase_load(args) -> dict:
@@ -398,6 +402,12 @@ def report(name: str, out: dict) -> None:
     synchronous = max(r["seconds"] for r in save_rows)
     added = " | ".join(f"{r['async_peak_added'] / p:.2f}" for r, p in zip(save_rows, partition))
     print(f"| --async-save: peak added / optimizer partition | {added} | |")
+    held = [r["async_host_held"] for r in save_rows]
+    share = [r["async_host_partition"] for r in save_rows]
+    ratios = " | ".join(f"{h / p:.3f}" for h, p in zip(held, share))
+    print(f"| --async-save: host buffer held, GB | {' | '.join(map(gb, held))} | |")
+    print(f"| --async-save: partition (its boxes' bytes), GB | {' | '.join(map(gb, share))} | |")
+    print(f"| --async-save: host held / partition (target <= {HOST_TARGET}) | {ratios} | |")
     print(
         f"\n- --async-save: training blocked {blocking:.2f} s at the first save (its host copies "
         f"allocated after the first step, as the trainer does) = {blocking / synchronous:.2f} x "

@@ -12,6 +12,9 @@ Prints the breakdown for the fullest pipeline stage (weights, gradients, optimiz
 ZeRO stage, activations, the logits shard, the loss's and TempNet's buffers) and a verdict against
 --gpu-memory-gb. The accounting is in megatron_tempnet/models/gpt/memory.py. Not counted:
 the CUDA context, NCCL buffers and allocator fragmentation (plan a few GiB for them).
+
+--async-save adds the host memory a rank's background saves hold (pinned, outside the GPU
+total): its checkpoint share, for the stage with the largest one.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from megatron_tempnet.models.gpt.memory import (
     GIB,
     EstimateError,
     Layout,
+    checkpoint_bytes_per_param,
     estimate,
     largest,
     stage_params,
@@ -101,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tempnet-hidden-size", type=int, default=TempNetConfig.tempnet_hidden_size)
     p.add_argument("--tempnet-proj-size", type=int, default=TempNetConfig.tempnet_proj_size)
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="per GPU (default 80)")
+    p.add_argument(
+        "--async-save",
+        action="store_true",
+        help="the run saves in the background: also print the host memory per rank its copies "
+        "hold (the rank's checkpoint share, pinned)",
+    )
     return p
 
 
@@ -158,7 +168,26 @@ def _count(n: float) -> str:
     return str(int(n))
 
 
-def report(model: ModelConfig, layout: Layout, gpu_gb: float) -> str:
+def _decimal_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def host_line(share: int, saved: int, layout, stage: int) -> str:
+    """--async-save's host memory per rank: ``share`` bytes, ``saved`` parameters of the TP
+    shard of ``stage`` (0-based) before the data-parallel split; how it is computed."""
+    per = checkpoint_bytes_per_param(layout.precision)
+    what = "16-bit weight 2, float32 master 4, moments 8" if per == 14 else "weight 4, moments 8"
+    return (
+        f"host, per rank, with --async-save (pinned, not in the total): {share / GIB:.2f} GiB "
+        f"({_decimal_bytes(share)}) = {per} B ({what}) x {_count(saved)} saved parameters / DP "
+        f"{layout.data_parallel}, stage {stage + 1} of {layout.pipeline_parallel}"
+    )
+
+
+def report(model: ModelConfig, layout: Layout, gpu_gb: float, async_save: bool = False) -> str:
     stages = estimate(model, layout)
     fullest = largest(stages)
     lay, p = layout, fullest.params
@@ -201,6 +230,9 @@ def report(model: ModelConfig, layout: Layout, gpu_gb: float) -> str:
         f"({gpu_gb - total:+.2f} GiB headroom)"
     )
     lines.append("  (not counted: CUDA context, NCCL buffers, allocator fragmentation)")
+    if async_save:
+        top = max(stages, key=lambda e: e.checkpoint_share)
+        lines.append(host_line(top.checkpoint_share, top.saved_params, layout, top.stage))
     return "\n".join(lines)
 
 
@@ -223,7 +255,8 @@ def clip_report(args) -> str:
         num_samples=args.num_samples,
         tempnet_proj_size=args.tempnet_proj_size,
     )
-    stage = clip_memory.largest(clip_memory.estimate(model, layout))
+    stages = clip_memory.estimate(model, layout)
+    stage = clip_memory.largest(stages)
     lines = [
         f"CLIP {name} ({args.clip_loss}): TP {args.tp} x PP {args.pp} x DP {args.dp}, ZeRO-"
         f"{args.zero}, {layout.precision}, {args.micro_batch_size} pairs per micro-batch, "
@@ -235,6 +268,9 @@ def clip_report(args) -> str:
     total = stage.total / GIB
     verdict = "fits" if total <= args.gpu_memory_gb else "does NOT fit"
     lines.append(f"  {'total':<22} {total:9.2f} GiB of {args.gpu_memory_gb:g} GiB: {verdict}")
+    if args.async_save:
+        top = max(stages, key=lambda s: s.checkpoint_share)
+        lines.append(host_line(top.checkpoint_share, top.params, layout, top.stage))
     return "\n".join(lines)
 
 
@@ -246,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     args.model = args.model or "llama2-70b"
     if args.model not in PRESETS:
         raise EstimateError(f"--model {args.model} is a CLIP model: add --clip")
-    print(report(_model(args), _layout(args), args.gpu_memory_gb))
+    print(report(_model(args), _layout(args), args.gpu_memory_gb, args.async_save))
     return 0
 
 

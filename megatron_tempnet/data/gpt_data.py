@@ -145,13 +145,18 @@ def num_samples(
 
 
 def build_gpt_datasets(
-    config: GPTDataConfig, tokenizer, sizes: list[int], vocab_size: int | None = None
+    config: GPTDataConfig,
+    tokenizer,
+    sizes: list[int],
+    vocab_size: int | None = None,
+    group=None,
 ) -> list:
     """[train, valid, test] megatron-core datasets (None where a split is empty).
 
     ``tokenizer`` needs ``vocab_size``, ``eod``, ``identity`` and ``unique_identifiers`` (see
     ``tokenizers``); every token id must be below ``vocab_size`` (default: the tokenizer's).
-    Every dataset is checked first (``check_datasets``: on every rank, before any collective);
+    Every dataset is checked first (``check_datasets``: on every rank, before any collective;
+    ``group``: where the other ranks wait for rank 0's check);
     with --mock-data the datasets are megatron-core's ``MockGPTDataset``. Under
     torch.distributed, rank 0 builds (or loads) the cached indices first and the other ranks then
     load them (megatron-core's protocol).
@@ -172,7 +177,7 @@ def build_gpt_datasets(
         prefixes, weights = parse_blend(config.data_path)
         _check_split_documents(prefixes, config.split)
         vocab = tokenizer.vocab_size if vocab_size is None else vocab_size
-        check_datasets(prefixes, tokenizer.identity, vocab, config.data_cache_path)
+        check_datasets(prefixes, tokenizer.identity, vocab, config.data_cache_path, group)
         blend, dataset_class = (prefixes, weights), GPTDataset
     gpt_config = GPTDatasetConfig(
         random_seed=config.seed,
@@ -192,7 +197,11 @@ def build_gpt_datasets(
 
 
 def check_datasets(
-    prefixes: list[str], identity: TokenizerIdentity, vocab_size: int, cache_dir: str | None
+    prefixes: list[str],
+    identity: TokenizerIdentity,
+    vocab_size: int,
+    cache_dir: str | None,
+    group=None,
 ) -> None:
     """Every rank raises the same ``DatasetError`` when a dataset was tokenised with another
     tokenizer than ``identity`` or holds a token id outside ``[0, vocab_size)``.
@@ -201,6 +210,8 @@ def check_datasets(
     tokenizer records and the cached id ranges, scanning a dataset's ``.bin`` when it has no
     valid cache entry in ``cache_dir`` (``token_range``). It broadcasts its verdict, so that all
     ranks stop together with the same one-line error, before any other collective of the data.
+    ``group``: where the others wait for it (None: the default group; a run gives its host group,
+    whose timeout allows a long scan).
     """
     import torch.distributed as dist
 
@@ -211,7 +222,7 @@ def check_datasets(
         except DatasetError as e:
             verdict = [str(e)]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(verdict, src=0)
+        dist.broadcast_object_list(verdict, src=0, group=group)
     if verdict[0] is not None:
         raise DatasetError(verdict[0])
 

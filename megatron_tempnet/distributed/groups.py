@@ -1,8 +1,9 @@
-"""Tensor-parallel groups and megatron-core's vocabulary partitioning."""
+"""Tensor-parallel groups, megatron-core's vocabulary partitioning, and the host group."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -94,3 +95,26 @@ def parallel_argmax(local: torch.Tensor, start: int, tp: TPGroup) -> torch.Tenso
         index = torch.where(hits.any(-1), hits.int().argmax(-1) + start, big).to(torch.int64)
     tp.all_reduce(index, dist.ReduceOp.MIN)
     return index
+
+
+_host: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None  # (default group, host group)
+
+
+def init_host_group(timeout: timedelta) -> dist.ProcessGroup:
+    """A gloo group of every rank, with its own ``timeout``, for the collectives that wait while
+    a rank works on files: a checkpoint's exchanges (also from ``--async-save``'s background
+    thread), and the other ranks' wait while rank 0 scans the data at start-up. Training's
+    collectives keep --distributed-timeout-minutes. Collective; ``host_group`` returns it until
+    the default group is destroyed."""
+    global _host
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    dist.barrier(group=group)  # its connections made now, not in the first save
+    _host = (dist.group.WORLD, group)
+    return group
+
+
+def host_group() -> dist.ProcessGroup | None:
+    """The group ``init_host_group`` made for the current default group, else None."""
+    if _host is None or _host[0] is not dist.group.WORLD or dist.group.WORLD is None:
+        return None
+    return _host[1]

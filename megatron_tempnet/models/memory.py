@@ -83,6 +83,23 @@ def model_state_bytes(trainable: int, frozen: int, largest: int, layout) -> dict
     return {"weights": int(weights), "gradients": int(grads), "optimizer states": int(optim)}
 
 
+def checkpoint_bytes_per_param(precision: str) -> int:
+    """Bytes a checkpoint holds per trained parameter: the 16-bit weight (2), its float32
+    master (4) and AdamW's two float32 moments (8) = 14; in float32 the weight is the master:
+    4 + 8 = 12."""
+    return 14 if PRECISIONS[precision] == 2 else 12
+
+
+def checkpoint_share_bytes(saved_params: int, layout) -> int:
+    """One rank's share of a checkpoint, in bytes: what a save writes and what --async-save
+    copies to host memory (``trainer.host_buffers``). Each value of a saved parameter is
+    written by one data-parallel rank (ZeRO 1-2 by its fragment's owner, ZeRO 0 and 3 by an
+    even split), so a rank holds ``bytes_per_param x saved_params / DP``. ``saved_params``:
+    the trained parameters of the rank's TP shard of its stage."""
+    per = checkpoint_bytes_per_param(layout.precision)
+    return -(-per * saved_params // layout.data_parallel)
+
+
 def layer_activation_bytes(model: TransformerShape, layout, seq_length: int) -> int:
     """What one transformer layer keeps for backward, one micro-batch (formula above)."""
     e, t, b, s = (

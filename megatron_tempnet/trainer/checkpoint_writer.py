@@ -42,6 +42,7 @@ from megatron_tempnet.trainer.checkpoint_format import (
     write_complete,
 )
 from megatron_tempnet.trainer.file_io import FileWriter, describe_error
+from megatron_tempnet.trainer.host_buffers import HostArena
 from megatron_tempnet.trainer.shard_storage import Box, save_boxes
 from megatron_tempnet.utils.logging import log_rank0
 
@@ -79,26 +80,16 @@ def serialise(obj) -> bytes:
     return buffer.getvalue()
 
 
-def snapshot(boxes: list[Box], buffers: list[torch.Tensor] | None = None) -> list[Box]:
-    """Host copies of the boxes (pinned on CUDA, so the copies run at full bandwidth), for a
-    write that runs while training changes the originals. ``buffers``: the previous snapshot's
-    tensors, reused when the boxes are the same (the save after the first allocates nothing,
-    and touches no fresh page)."""
-    pinned = torch.cuda.is_available()
-    same = buffers is not None and [(b.shape, b.dtype) for b in buffers] == [
-        (box.tensor.shape, box.tensor.dtype) for box in boxes
-    ]
-    copies = []
-    for i, box in enumerate(boxes):
-        if same:
-            host = buffers[i]
-        else:
-            host = torch.empty(box.tensor.shape, dtype=box.tensor.dtype, pin_memory=pinned)
-        host.copy_(box.tensor, non_blocking=pinned)
-        copies.append(Box(box.fqn, box.global_shape, box.offsets, host))
-    if pinned:
-        torch.cuda.synchronize()  # the copies are complete before training changes the sources
-    return copies
+def snapshot(boxes: list[Box], arena: HostArena | None = None) -> tuple[list[Box], HostArena]:
+    """Host copies of the boxes, for a write that runs while training changes the originals,
+    and the arena that holds them (one buffer, pinned on CUDA so that the copies run at full
+    bandwidth: ``host_buffers``). ``arena``: the previous snapshot's, reused when the boxes are
+    the same (the save after the first allocates nothing, and touches no fresh page)."""
+    tensors = [box.tensor for box in boxes]
+    if arena is None or not arena.holds(tensors):
+        arena = HostArena.for_tensors(tensors)
+    copies = arena.copy_from(tensors)
+    return [Box(b.fqn, b.global_shape, b.offsets, c) for b, c in zip(boxes, copies)], arena
 
 
 def clear_for_save(save_dir: str, tag: str) -> None:

@@ -5,9 +5,9 @@ ZeRO fragment of the float32 masters and AdamW's moments, the same range of its 
 parallel, on ``torch.distributed.checkpoint`` (``trainer.shard_storage``), with its RNG and task
 state; rank 0 adds the iteration, data position, schedule, AdamW's step and config
 (``train_state.json``). ``checkpoint_writer`` writes and publishes; with --async-save the state
-is copied to host memory and written by a background thread while training goes on, published
-only when every rank's write is done (``wait`` joins it: before the next save and before the
-run exits).
+is copied to host memory (one buffer of its size, pinned on CUDA: ``trainer.host_buffers``) and
+written by a background thread while training goes on, published only when every rank's write
+is done (``wait`` joins it: before the next save and before the run exits).
 
 A load reads, on each rank, what that rank holds at the layout it runs, whatever layout saved:
 the boxes it wants are filled from the saved ones they overlap. It checks every file's size
@@ -25,6 +25,7 @@ frozen ones from there on every resume.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import os
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_tempnet import compat
+from megatron_tempnet.distributed.groups import host_group, init_host_group
 from megatron_tempnet.trainer import checkpoint_writer
 from megatron_tempnet.trainer.checkpoint_format import (
     FROZEN_LM_EXCLUDED,
@@ -55,6 +57,7 @@ from megatron_tempnet.trainer.checkpoint_format import (
 )
 from megatron_tempnet.trainer.checkpoint_writer import SaveJob, rank_file
 from megatron_tempnet.trainer.file_io import load_file
+from megatron_tempnet.trainer.host_buffers import HostArena
 from megatron_tempnet.trainer.rng_state import rng_state, set_rng_state
 from megatron_tempnet.trainer.shard_reading import (
     files_read,
@@ -118,6 +121,22 @@ class _Plan:
     missing: set[str]
 
 
+@contextlib.contextmanager
+def timeout_named(minutes: float):
+    """The host group's timeout (a rank still writing or reading its files while the others
+    wait in a collective) as a ``CheckpointError`` that names its flag and value."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, CheckpointError) or "Timed out" not in str(e):
+            raise
+        raise CheckpointError(
+            "the ranks waited for each other's checkpoint files longer than "
+            f"--checkpoint-timeout-minutes ({minutes:g}): a slow file system needs a larger "
+            f"value ({str(e).splitlines()[0]})"
+        ) from e
+
+
 class Checkpointer:
     """The checkpoints of one run (every rank makes one, after the engine: collective).
 
@@ -130,15 +149,16 @@ class Checkpointer:
             raise ValueError("a model without a tensor layout cannot be checkpointed")
         self.engine, self.model, self.config = engine, model, config
         self.ckpt = config.checkpoint
-        # its own group: an asynchronous save's exchanges run beside training's collectives
-        minutes = config.parallel.distributed_timeout_minutes
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=minutes))
-        dist.barrier(group=self.group)  # its connections made now, not in the first save
+        # the host group: an asynchronous save's exchanges run beside training's collectives,
+        # and a slow file system gets --checkpoint-timeout-minutes
+        self.group = host_group() or init_host_group(
+            timedelta(minutes=self.ckpt.checkpoint_timeout_minutes)
+        )
         cache = os.path.join(self.ckpt.save, ".digests") if self.ckpt.save else None
         self.cache = DigestCache(cache)
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
-        self._buffers: list[torch.Tensor] | None = None  # --async-save's host copies
+        self._arena: HostArena | None = None  # --async-save's host copies
         # the last load's bytes: read, read to check digests, and of the tensors filled
         self.bytes_read = self.bytes_checked = self.bytes_held = 0
 
@@ -156,10 +176,11 @@ class Checkpointer:
         dist.barrier(group=self.group)
         job = self._job(iteration, client_state, rank_state)
         if not self.ckpt.async_save:
-            checkpoint_writer.write(job, self.group)
+            with self._timeout_named():
+                checkpoint_writer.write(job, self.group)
             return
-        job.boxes = checkpoint_writer.snapshot(job.boxes, self._buffers)
-        self._buffers = [b.tensor for b in job.boxes]  # reused by the next save (after wait)
+        # the arena is reused by the next save (after wait)
+        job.boxes, self._arena = checkpoint_writer.snapshot(job.boxes, self._arena)
         log_rank0("saving %s in the background (--async-save)", job.directory)
         self._failure = None
         self._thread = threading.Thread(target=self._write_in_background, args=(job,), daemon=True)
@@ -168,7 +189,7 @@ class Checkpointer:
     def prepare_async(self) -> None:
         """--async-save: allocate (and touch) the host copies now, after the run's first step
         (when every value to save exists), so that no save waits for their allocation."""
-        if not self.ckpt.async_save or self._buffers is not None:
+        if not self.ckpt.async_save or self._arena is not None:
             return
         compat.link_optimizer_states(self.engine.optimizer)
         params = parameter_boxes(
@@ -178,19 +199,24 @@ class Checkpointer:
             skip_frozen=self.model.frozen_from_pretrained,
             moments=True,
         )
-        pinned = torch.cuda.is_available()
-        self._buffers = [
-            torch.empty(b.tensor.shape, dtype=b.tensor.dtype, pin_memory=pinned).fill_(0)
-            for p in params
-            for boxes in p.boxes.values()
-            for b in boxes
-        ]
+        self._arena = HostArena.for_tensors(
+            [b.tensor for p in params for boxes in p.boxes.values() for b in boxes]
+        )
+
+    @property
+    def host_copies(self) -> HostArena | None:
+        """--async-save's host buffer (``bytes_held``, ``bytes_needed``), once made."""
+        return self._arena
 
     def _write_in_background(self, job: SaveJob) -> None:
         try:
-            checkpoint_writer.write(job, self.group)
+            with self._timeout_named():
+                checkpoint_writer.write(job, self.group)
         except BaseException as e:  # re-raised by wait(), in the training thread
             self._failure = e
+
+    def _timeout_named(self):
+        return timeout_named(self.ckpt.checkpoint_timeout_minutes)
 
     def wait(self) -> None:
         """Let a background save finish (its failure is raised here, on every rank)."""
@@ -251,11 +277,13 @@ class Checkpointer:
             return None
         mode = LoadMode.WEIGHTS if ckpt.finetune else LoadMode.RESUME
         flag = "--finetune --load" if ckpt.finetune else "--load"
-        return self._load(ckpt.load, mode, flag, require=ckpt.exit_on_missing_checkpoint)
+        with self._timeout_named():
+            return self._load(ckpt.load, mode, flag, require=ckpt.exit_on_missing_checkpoint)
 
     def load_pretrained(self, load_dir: str, flag: str = "--pretrained-checkpoint") -> None:
         """The weights of ``load_dir``'s newest checkpoint (every parameter, frozen included)."""
-        self._load(load_dir, LoadMode.WEIGHTS, flag, require=True)
+        with self._timeout_named():
+            self._load(load_dir, LoadMode.WEIGHTS, flag, require=True)
 
     def _load(self, load_dir: str, mode: LoadMode, flag: str, *, require: bool) -> dict | None:
         source = f"{flag} {load_dir}"

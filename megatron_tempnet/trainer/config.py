@@ -237,6 +237,11 @@ class CheckpointConfig:
     CUDA) and training goes on while every rank writes its share; the checkpoint becomes
     'latest' only once every rank's write is done. A stop request or the end of the run waits
     for a running write."""
+    checkpoint_timeout_minutes: float = 60.0
+    """Timeout of the gloo group the ranks wait in while others work on files: a checkpoint's
+    saves and loads (the background writes of --async-save too), and rank 0's scan of the data
+    at start-up. Training's collectives keep --distributed-timeout-minutes; a synchronous save
+    to a slow file system can take longer than those."""
     ckpt_digest: str = option("xxh3_128", choices=DIGESTS)
     """The digest recorded for every checkpoint file (each rank digests what it writes, as it
     writes it) and checked before a file is read: xxh3_128 (tens of GB/s) or sha256."""

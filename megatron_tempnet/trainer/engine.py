@@ -9,6 +9,7 @@ own peak learning rate, floor and weight decay; every group follows the run's sc
 from __future__ import annotations
 
 import json
+import os
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -17,7 +18,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_tempnet import compat
-from megatron_tempnet.distributed.launch import bind_device
+from megatron_tempnet.distributed.groups import init_host_group
+from megatron_tempnet.distributed.launch import (
+    GlooInterfaceError,
+    bind_device,
+    gloo_interface_problem,
+    init_default_group,
+)
 from megatron_tempnet.distributed.mpu import MegatronMPU
 from megatron_tempnet.trainer import communication
 from megatron_tempnet.trainer.config import ConfigError, OptimizerConfig, RunConfig
@@ -28,24 +35,34 @@ from megatron_tempnet.utils.precision import is_float32_island
 
 
 def init_process_groups(config: RunConfig) -> None:
-    """torch.distributed (gloo on CPU, NCCL on GPU) and megatron-core's TP/PP/DP groups, all with
-    --distributed-timeout-minutes (a process group that exists already keeps its own)."""
+    """torch.distributed (gloo on CPU, NCCL on this process's GPU) and megatron-core's TP/PP/DP
+    groups, all with --distributed-timeout-minutes (a process group that exists already keeps
+    its own), and the host group with --checkpoint-timeout-minutes (``groups.init_host_group``).
+    """
     import deepspeed
 
     compat.check_upstream()
     compat.apply_cpu_support()
-    bind_device()  # before NCCL's first use
+    problem = gloo_interface_problem(os.environ)
+    if problem is not None:
+        raise GlooInterfaceError(problem)
     p = config.parallel
-    if not dist.is_initialized():
-        deepspeed.init_distributed(
-            dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-            timeout=timedelta(minutes=p.distributed_timeout_minutes),
-        )
+    timeout = timedelta(minutes=p.distributed_timeout_minutes)
+    if dist.is_initialized():
+        bind_device()
+    else:
+        init_default_group(timeout)  # DeepSpeed adopts it: its own would take cuda:LOCAL_RANK
+    if not torch.cuda.is_available():  # DeepSpeed's init builds its CPU op: no stale lock
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            compat.remove_stale_build_locks()
+        dist.barrier()
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), timeout=timeout)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         distributed_timeout_minutes=p.distributed_timeout_minutes,
     )
+    init_host_group(timedelta(minutes=config.checkpoint.checkpoint_timeout_minutes))
 
 
 def decay_groups(

@@ -118,6 +118,9 @@ def _validate_checkpointing(ckpt: CheckpointConfig) -> None:
         raise ConfigError(f"--exit-duration-in-mins ({ckpt.exit_duration_in_mins:g}) must be >= 0")
     if ckpt.exit_duration_in_mins and not ckpt.save:
         raise ConfigError("--exit-duration-in-mins saves a checkpoint before exiting: give --save")
+    if not ckpt.checkpoint_timeout_minutes > 0:
+        minutes = ckpt.checkpoint_timeout_minutes
+        raise ConfigError(f"--checkpoint-timeout-minutes ({minutes:g}) must be > 0")
     if ckpt.pretrained_checkpoint and ckpt.finetune:
         raise ConfigError(
             "--pretrained-checkpoint and --finetune both choose the starting weights: "

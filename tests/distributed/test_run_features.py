@@ -1,7 +1,8 @@
 """The run's process groups, gradient precision and checkpoint loading with Megatron-LM's flags,
 on a real DeepSpeed engine (one gloo rank):
 
-- --distributed-timeout-minutes reaches torch.distributed's default group and megatron-core's;
+- --distributed-timeout-minutes reaches torch.distributed's default group and megatron-core's,
+  --checkpoint-timeout-minutes the host group (checkpoints, rank 0's start-up scans);
 - under --bf16 the micro-batches' gradients add up in float32 (DeepSpeed's bf16 optimizer) to
   the float32 sum of each micro-batch's bfloat16 gradients, where --grad-reduce-in-bf16 rounds
   the sum to bfloat16;
@@ -45,7 +46,8 @@ def _timeout(group) -> timedelta:
     return group._get_backend(torch.device("cpu")).options._timeout
 
 
-def _timeouts(minutes: int) -> list[timedelta]:
+def _timeouts(minutes: int, checkpoint_minutes: float) -> list[timedelta]:
+    from megatron_tempnet.distributed.groups import host_group
     from megatron_tempnet.trainer.engine import init_process_groups
 
     with socket.socket() as s:
@@ -54,7 +56,12 @@ def _timeouts(minutes: int) -> list[timedelta]:
     os.environ.update(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
-    config = _config("--distributed-timeout-minutes", str(minutes))
+    config = _config(
+        "--distributed-timeout-minutes",
+        str(minutes),
+        "--checkpoint-timeout-minutes",
+        str(checkpoint_minutes),
+    )
     dist.destroy_process_group()  # the harness's: init_process_groups makes the run's own
     init_process_groups(config)
     groups = [
@@ -63,12 +70,14 @@ def _timeouts(minutes: int) -> list[timedelta]:
         parallel_state.get_tensor_model_parallel_group(),
         parallel_state.get_pipeline_model_parallel_group(),
         parallel_state.get_model_parallel_group(),
+        host_group(),  # the checkpoints' and rank 0's scans: its own timeout
     ]
     return [_timeout(g) for g in groups]
 
 
-def test_the_timeout_reaches_every_process_group():
-    assert run_distributed(_timeouts, world_size=1, args=(7,)) == [[timedelta(minutes=7)] * 5]
+def test_the_timeouts_reach_every_process_group():
+    want = [timedelta(minutes=7)] * 5 + [timedelta(minutes=90.5)]
+    assert run_distributed(_timeouts, world_size=1, args=(7, 90.5)) == [want]
 
 
 def _accumulate(*argv: str) -> dict:
@@ -188,3 +197,33 @@ def test_no_load_rng_and_exit_on_missing_checkpoint(tmp_path):
         f"--load {empty}: no checkpoint there (no 'latest')" + stop,
         f"--load {empty / 'missing'}: no such directory" + stop,
     ]
+
+
+def _slow_peer() -> str | None:
+    """Rank 1 still busy with its files after the host group's timeout: rank 0's wait ends in
+    an error that names --checkpoint-timeout-minutes."""
+    import time
+
+    from megatron_tempnet.trainer.checkpoint_format import CheckpointError
+    from megatron_tempnet.trainer.checkpointer import timeout_named
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=1))
+    dist.barrier(group=group)
+    if dist.get_rank() == 1:
+        time.sleep(3)
+        return None
+    try:
+        with timeout_named(1 / 60):
+            dist.all_gather_object([None, None], 0, group=group)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_a_wait_past_the_checkpoint_timeout_names_the_flag():
+    message, _ = run_distributed(_slow_peer, world_size=2)
+    assert message.startswith(
+        "the ranks waited for each other's checkpoint files longer than "
+        "--checkpoint-timeout-minutes (0.0166667): a slow file system needs a larger value ("
+    )
+    assert "Timed out" in message

@@ -200,7 +200,8 @@ def _options(parser) -> dict[str, str]:
     }
 
 
-GPT_FLAGS = """adam-beta1 adam-beta2 adam-eps async-save ckpt-assume-constant-structure ckpt-digest
+GPT_FLAGS = """adam-beta1 adam-beta2 adam-eps async-save checkpoint-timeout-minutes
+ckpt-assume-constant-structure ckpt-digest
 ckpt-format ckpt-fully-parallel-load no-ckpt-fully-parallel-save use-persistent-ckpt-worker
 apply-layernorm-1p apply-query-key-layer-scaling
 attention-backend attention-dropout attention-softmax-in-fp32 bf16 calculate-per-token-loss
@@ -233,7 +234,8 @@ train-iters train-samples transformer-impl untie-embeddings-and-output-weights u
 use-distributed-optimizer use-flash-attn use-mcore-models use-pytorch-profiler use-rope-scaling
 use-rotary-position-embeddings use-tempnet vocab-file vocab-size wandb-entity wandb-exp-name
 wandb-project wandb-save-dir weight-decay yaml-cfg zero-stage"""
-CLIP_FLAGS = """adam-beta1 adam-beta2 adam-eps async-save ckpt-digest ckpt-format
+CLIP_FLAGS = """adam-beta1 adam-beta2 adam-eps async-save checkpoint-timeout-minutes ckpt-digest
+ckpt-format
  attention-backend bf16 caption-key caption-noise
 clip-grad clip-loss context-length data-cache-path deepspeed-config deepspeed_config
 distributed-timeout-minutes embed-dim empty-unused-memory-level eval-batch-size eval-interval

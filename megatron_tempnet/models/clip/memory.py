@@ -16,6 +16,10 @@ the last stage, for a micro-batch of ``b`` pairs per rank and a contrastive batc
   ``N`` pairs and ``k`` values per pair (``sample_state.ShardedSampleState``);
 - TempNet (image and text, ``d1 d0 + d1 + d1 d2 + d2 + 2`` parameters each) or TaU's heads.
 
+With --async-save a rank also holds its checkpoint share in host memory (``checkpoint_share``:
+14 B per parameter under bf16/fp16, 12 B in float32, over DP; ``models/memory.py``); the
+per-sample state is serialised with each save beside it, not counted there.
+
 With pipeline parallelism the towers' layers are interleaved and cut as ``models/clip/pipeline``
 does; the first stage holds both embeddings, the last the norms, projections, temperature, loss
 and per-sample state.
@@ -30,6 +34,7 @@ from megatron_tempnet.models.clip.sample_state import ShardedSampleState
 from megatron_tempnet.models.memory import (
     PRECISIONS,
     BatchLayout,
+    checkpoint_share_bytes,
     layer_activation_bytes,
     layer_params,
     model_state_bytes,
@@ -55,6 +60,8 @@ class CLIPStage:
     text_layers: int
     params: int = 0
     parts: dict[str, int] = field(default_factory=dict)
+    checkpoint_share: int = 0
+    """Bytes of a rank's checkpoint share: host memory with --async-save, not GPU memory."""
 
     @property
     def total(self) -> int:
@@ -130,6 +137,7 @@ def estimate(model: CLIPModelConfig, layout: CLIPLayout) -> list[CLIPStage]:
         if i == pp - 1:
             s.params += head + temperature_params(model, layout)
         s.parts = model_state_bytes(s.params, 0, largest, layout)
+        s.checkpoint_share = checkpoint_share_bytes(s.params, layout)
         in_flight = min(pp - i, layout.micro_batches)
         s.parts["activations"] = in_flight * (nv * act_v + nt * act_t)
         if i == 0:  # the images and the embeddings' outputs

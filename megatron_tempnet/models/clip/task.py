@@ -288,13 +288,16 @@ class CLIPTask:
 
 
 def _rank0_first(build):
-    """``build()`` on global rank 0, then on the other ranks (what it caches, they read)."""
+    """``build()`` on global rank 0, then on the other ranks (what it caches, they read); they
+    wait in the host group, with its longer timeout (a scan of many tar shards)."""
     import torch.distributed as dist
+
+    from megatron_tempnet.distributed.groups import host_group
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return build()
     out = build() if dist.get_rank() == 0 else None
-    dist.barrier()
+    dist.barrier(group=host_group())
     return out if dist.get_rank() == 0 else build()
 
 

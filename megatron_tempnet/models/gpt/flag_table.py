@@ -26,7 +26,8 @@ PROJECT_FLAGS = frozenset(
         "--keep-last", "--load-fallback", "--metrics-file", "--no-bias-swiglu-fusion",
         "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--tempnet-rho",
         "--deepspeed-config", "--rope-scaling-low-freq-factor", "--rope-scaling-high-freq-factor",
-        "--rope-scaling-original-max-position-embeddings",
+        "--rope-scaling-original-max-position-embeddings", "--checkpoint-timeout-minutes",
+        "--ckpt-digest",
     }
 )  # fmt: skip
 """pretrain_gpt.py's flags that Megatron-LM does not have (this project's own)."""

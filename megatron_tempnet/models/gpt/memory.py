@@ -46,6 +46,12 @@ While a layer runs it adds a working set (the unfused attention's transient scor
 layer when it is recomputed or frozen); the output buffers exist only after the last layer, so
 only the larger of the two counts.
 
+Host memory (not in the GPU total): with --async-save a rank copies its checkpoint share to host
+memory, one buffer of its size (``trainer.host_buffers``): ``14 B`` per saved parameter under
+bf16/fp16 (weight 2, float32 master 4, two moments 8), ``12 B`` in float32 (weight 4, moments 8),
+over the data-parallel ranks (each value is written by one of them); a frozen-LM run saves what
+it trains only (``saved_params``).
+
 The optimizer is PyTorch's fused AdamW: one kernel over all tensors, whose only buffers are its
 state (the two moments counted above and a step counter per tensor); its multi-tensor
 (``foreach``) fallback would add a transient copy of the float32 gradients during the step.
@@ -61,6 +67,8 @@ from megatron_tempnet.models.memory import (  # noqa: F401  (the planner's and t
     GIB,
     PRECISIONS,
     BatchLayout,
+    checkpoint_bytes_per_param,
+    checkpoint_share_bytes,
     core_attention_bytes,
     layer_activation_bytes,
     layer_params,
@@ -114,6 +122,11 @@ class Estimate:
     params: StageParams
     parts: dict[str, int] = field(default_factory=dict)
     """Bytes per GPU by part (weights, gradients, optimizer states, activations, ...)."""
+    saved_params: int = 0
+    """The parameters a rank of this stage saves, before the data-parallel split
+    (``saved_params``)."""
+    checkpoint_share: int = 0
+    """Bytes of a rank's checkpoint share: host memory with --async-save, not GPU memory."""
 
     @property
     def model_states(self) -> int:
@@ -286,8 +299,24 @@ def estimate(model: ModelConfig, layout: Layout, seq_length: int | None = None) 
         parts.update(outputs)
         # a layer's working set and the output buffers never coexist: the larger one counts
         parts["layer working set"] = max(0, working - sum(outputs.values()))
-        out.append(Estimate(stage=i, params=p, parts=parts))
+        saved = saved_params(model, layout, p)
+        share = checkpoint_share_bytes(saved, layout)
+        out.append(Estimate(i, p, parts, saved_params=saved, checkpoint_share=share))
     return out
+
+
+def saved_params(model: ModelConfig, layout: Layout, p: StageParams) -> int:
+    """The parameters a rank of a stage writes into a checkpoint (its TP shard, before the
+    data-parallel split): the trained ones, as a frozen-LM run reads its LM from
+    --pretrained-checkpoint instead of saving it; a tied output layer's second pipeline copy
+    is not written. (A replicated parameter, a norm, is split over the TP ranks in the file
+    and counted whole here: a few thousand parameters per layer.)"""
+    trained = p.tempnet + (0 if layout.freeze_lm else p.lm)
+    tied = not model.untie_embeddings_and_output_weights
+    if p.last and tied and layout.pipeline_parallel > 1 and not layout.freeze_lm:
+        tp = layout.tensor_parallel
+        trained -= model.padded_vocab_size(tp) // tp * model.hidden_size
+    return trained
 
 
 def layer_activations(model: ModelConfig, layout: Layout, layers: int, seq_length: int):

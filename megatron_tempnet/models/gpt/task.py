@@ -26,6 +26,7 @@ from megatron_tempnet.data.gpt_data import (
 from megatron_tempnet.data.loader import DataState, ResumableLoader, dataset_fingerprint
 from megatron_tempnet.data.tokenizer_sidecar import check_tokenizer
 from megatron_tempnet.data.tokenizers import TokenizerConfig
+from megatron_tempnet.distributed.groups import host_group
 from megatron_tempnet.distributed.sharding import TensorLayout
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.gpt.flops import flops_per_token
@@ -201,7 +202,8 @@ class GPTTask:
         sizes[0] = t.train_samples_needed()  # --train-samples, --rampup-batch-size
         # an id the tokenizer cannot produce, or the embedding has no true row for, is wrong data
         vocab = min(tokenizer.vocab_size, config.model.vocab_size)
-        train, valid, _ = build_gpt_datasets(config.data, tokenizer, sizes, vocab)
+        # the other ranks wait for rank 0's scan of the data in the host group (its timeout)
+        train, valid, _ = build_gpt_datasets(config.data, tokenizer, sizes, vocab, host_group())
         return TaskData(train=train, valid=valid)
 
     def build_model(self, config: GPTRunConfig, data: TaskData) -> TrainModel:
