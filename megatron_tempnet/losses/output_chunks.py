@@ -45,6 +45,9 @@ class Plan:
     """The hidden states are this TP rank's sequence shard (``output_rows.ShardedRows``)."""
     newton_tau_max: float | None = None
     """Newton's upper bound (None: none)."""
+    upstream_mask: torch.Tensor | None = None
+    """``[T]`` 0/1 in the tokens' order, the one tensor of a plan: the loss's upstream gradient
+    is ``c * upstream_mask`` for one scalar ``c`` (``output_stage``'s wait-free backward)."""
 
     @property
     def tau_in_loss(self) -> bool:

@@ -11,7 +11,13 @@ The gradients are computed in the forward pass, from each chunk's logits while t
 the loss's upstream gradient ``g = 1``. The backward pass scales them by the value most tokens'
 ``g`` has (training: ``1 / tokens`` on every unmasked token) and recomputes the logits only of
 the tokens whose ``g`` differs (the masked ones), adding their share. Per token this is the
-unfused path's work: one output GEMM forward and two for the gradients.
+unfused path's work: one output GEMM forward and two for the gradients. Finding that value and
+those tokens reads ``g`` on the host (``unique``, ``nonzero``: two waits for the device per
+call). A training step knows better: its upstream gradient is ``c * mask`` (the masked mean over
+the global batch's tokens), so given the mask (``upstream_mask``) the forward pass computes the
+gradients of ``sum_t mask_t loss_t``, nothing is recomputed, and the backward pass only
+multiplies by ``c``, taken on the device: no wait at all. A ``g`` of another form is refused
+there, by an assertion the device checks without the host waiting.
 
 Per chunk, over the tensor-parallel group (the vocabulary is split as megatron-core splits it):
 
@@ -40,6 +46,7 @@ gradients (``output_rows``). The per-token outputs are every token's, on every r
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +148,9 @@ class _FusedOutputStage(torch.autograd.Function):
         w1_weight = w1_through_weight(plan, tempnet_w1, weight, vocab.n_true, layout.tokens)
         inputs = _StageInputs(layout, hidden, weight, target, vocab, tempnet_w1, dtype, w1_weight)
         factored = w1_weight is not None
+        weights = None  # g = 1 (or the mask's 0/1) per token in the forward pass's gradients
+        if plan.upstream_mask is not None:
+            weights = layout.to_stage(plan.upstream_mask).to(dtype)
         grads = None
         if plan.eager and any(needs_grad[2:]):
             grads = Gradients.zeros(
@@ -152,10 +162,11 @@ class _FusedOutputStage(torch.autograd.Function):
             recorded = len(graph)
             forward_chunk(plan, chunk, state, graph)
             if grads is not None:
-                _eager_chunk(plan, chunk, state, graph[recorded:], needs_grad[5:], grads)
+                g = None if weights is None else weights[rows]
+                _eager_chunk(plan, chunk, state, graph[recorded:], needs_grad[5:], grads, g)
             del chunk  # this chunk's logits go before the next chunk's are made
         ctx.plan, ctx.vocab, ctx.graph, ctx.grads, ctx.layout = plan, vocab, graph, grads, layout
-        ctx.factored = factored
+        ctx.factored, ctx.weights = factored, weights
         saved = [state.tau, state.row_max, state.sum_exp, state.norm, state.dtau]
         ctx.save_for_backward(hidden, weight, w1, target, *saved)
         outputs = tuple(layout.to_tokens(v) for v in state.outputs())
@@ -174,39 +185,50 @@ class _FusedOutputStage(torch.autograd.Function):
         needs_grad, grads, layout = ctx.needs_input_grad, ctx.grads, ctx.layout
         dtype, factored = tau.dtype, ctx.factored  # the compute dtype
         grad_loss = layout.to_stage(grad_loss.to(dtype))  # g, [T] in the stage order
-        left = None  # the tokens whose gradients are computed here (None: all)
+        left, recompute = None, True  # the tokens whose gradients are computed here (all)
         if grads is None:
             grads = Gradients.zeros(
                 needs_grad, hidden, weight, w1, dtype, eager=False, layout=layout, factored=factored
             )
+        elif ctx.weights is not None:  # g = c * mask: scale by c, found on the device
+            grads.scale_(_mask_scale(grad_loss, ctx.weights))
+            recompute = False
         else:  # the forward pass's gradients are for g = 1: scale them by g's usual value
-            usual = _most_common(grad_loss)
+            usual = _most_common(grad_loss)  # waits for the device
             grads.scale_(usual)
             grad_loss = grad_loss - usual  # the masked tokens', or any other difference
-            left = torch.nonzero(grad_loss).flatten()
-        if left is None or left.numel():
+            left = torch.nonzero(grad_loss).flatten()  # waits for the device
+            recompute = left.numel() > 0
+        if recompute:
             tempnet_w1 = None if w1 is None else w1.to(dtype)
             inputs = _StageInputs(layout, hidden, weight, target, ctx.vocab, tempnet_w1, dtype)
             saved = ForwardValues(tau, row_max, sum_exp, norm, dtau=dtau)
             _recompute(ctx, inputs, saved, grad_loss, left, grads)
         ctx.graph, ctx.grads, ctx.plan, ctx.layout = [], None, None, None  # used once
+        ctx.weights = None
         return (None, None, *grads.finish(hidden, weight, w1))
 
 
 def _eager_chunk(
-    plan: Plan, chunk: Chunk, state: State, graph: list, wanted, grads: Gradients
+    plan: Plan,
+    chunk: Chunk,
+    state: State,
+    graph: list,
+    wanted,
+    grads: Gradients,
+    weights: torch.Tensor | None = None,
 ) -> None:
-    """The chunk's gradients of ``sum_t loss_t`` (g = 1: the backward pass scales them).
-    ``graph``: the chunk's TempNet layers (``forward_chunk``); ``wanted``: which of their
-    parameters need a gradient."""
+    """The chunk's gradients of ``sum_t w_t loss_t`` (the backward pass scales them), ``w``
+    the chunk's ``weights`` ``[c]`` (None: 1). ``graph``: the chunk's TempNet layers
+    (``forward_chunk``); ``wanted``: which of their parameters need a gradient."""
     values = state.forward_values(chunk.rows)
+    g = torch.ones_like(values.tau) if weights is None else weights
     if graph:
         values.y = graph[0][0].detach()
-        grad_tau = state.dtau[chunk.rows]
+        grad_tau = state.dtau[chunk.rows] * g
         values.grad_y, by_param = tempnet_backward(plan, graph, grad_tau, wanted, keep=True)
         grads.add_projection(by_param)
-    ones = torch.ones_like(values.tau)
-    chunk_gradients(plan, chunk, ones, values, grads)
+    chunk_gradients(plan, chunk, g, values, grads)
 
 
 def _recompute(
@@ -230,6 +252,21 @@ def _recompute(
         if grad_y is not None:
             values.y, values.grad_y = y[rows], grad_y[rows]
         chunk_gradients(plan, inputs.chunk(rows), grad_loss[rows], values, grads)
+
+
+def _mask_scale(g: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``c`` of an upstream gradient ``g = c * mask`` (``[T]`` each, ``mask`` 0/1), a device
+    scalar (0 when every token is masked). That ``g`` has this form is asserted on the device,
+    without the host waiting for the answer (on a GPU a violation stops the run at its next
+    synchronisation)."""
+    kept = mask > 0
+    c = torch.where(kept, g, -math.inf).amax()  # every kept token has the same g
+    c = torch.where(kept.any(), c, 0.0)
+    torch._assert_async(
+        (g == c * mask).all(),
+        "fused output stage: the upstream gradient is not a multiple of upstream_mask",
+    )
+    return c
 
 
 def _most_common(g: torch.Tensor) -> torch.Tensor:
@@ -256,6 +293,7 @@ def fused_output_stage(
     tempnet_params: tuple[torch.Tensor, ...] | None = None,
     eager_gradients: bool = True,
     sequence_parallel: bool = False,
+    upstream_mask: torch.Tensor | None = None,
 ) -> StageOutputs:
     """Output layer, temperature and per-token loss, chunk by chunk (module docstring).
 
@@ -282,6 +320,10 @@ def fused_output_stage(
             logits in the backward pass.
         sequence_parallel: ``hidden`` is sequence-sharded over ``tp_group`` (module
             docstring); the upstream gradient must be the same on every TP rank.
+        upstream_mask: ``[...]`` like ``target``, 0/1: the loss's upstream gradient will be
+            ``c * upstream_mask`` for one scalar ``c`` (a training step's masked mean), so the
+            backward pass needs no wait for the device (module docstring); with eager
+            gradients only. None: any upstream gradient.
     Returns:
         ``StageOutputs``: float32 values (float64 for float64 hidden states), identical on all
         TP ranks (every token's, also with ``sequence_parallel``). Gradients reach ``hidden``,
@@ -321,6 +363,7 @@ def fused_output_stage(
         eager=eager_gradients,
         sequence_parallel=sequence_parallel and tp.size > 1,
         newton_tau_max=newton_tau_max,
+        upstream_mask=_mask_for(upstream_mask, target, eager_gradients),
     )
     lead = target.shape
     w1, params = None, []
@@ -336,6 +379,19 @@ def fused_output_stage(
     )
     values = [t.view(lead) for t in out]
     return StageOutputs(*values)
+
+
+def _mask_for(mask: torch.Tensor | None, target: torch.Tensor, eager: bool) -> torch.Tensor | None:
+    """``upstream_mask`` as the plan holds it: ``[T]`` floats in the tokens' order, or None."""
+    if mask is None or not torch.is_grad_enabled():
+        return None
+    if tuple(mask.shape) != tuple(target.shape):
+        raise ValueError(
+            f"upstream_mask {tuple(mask.shape)} must have target's shape {tuple(target.shape)}"
+        )
+    if not eager:
+        raise ValueError("upstream_mask needs eager_gradients (the backward pass recomputes)")
+    return mask.reshape(-1).float()
 
 
 def _check_shapes(hidden, weight, target, vocab_size: int, tp: TPGroup, sharded: bool) -> None:

@@ -162,6 +162,9 @@ def _counted() -> dict:
         "host item": lambda: _host(1).item(),
         "mask fill": lambda: x.masked_fill(x > 2, 0.0),
         "barrier": lambda: dist.barrier(),
+        "nonzero in a Function's backward": lambda: _backward_through_function(x),
+        "item() in a tensor hook": lambda: _backward_with_hook(x),
+        "a backward pass": lambda: (x.detach().requires_grad_() * 3).sum().backward(),
     }
     out = {}
     for name, fn in cases.items():
@@ -169,6 +172,31 @@ def _counted() -> dict:
         fn()
         out[name] = len(counter.events) - before
     return out
+
+
+class _WaitsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.nonzero(grad)  # autograd runs this outside the caller's mode: the rule re-enters
+        return grad * 2
+
+
+def _backward_through_function(x: torch.Tensor) -> None:
+    _WaitsInBackward.apply(x.detach().requires_grad_()).sum().backward()
+
+
+def _backward_with_hook(x: torch.Tensor) -> None:
+    leaf = x.detach().requires_grad_()
+
+    def hook(grad):
+        grad.sum().item()
+
+    leaf.register_hook(hook)
+    (leaf * 3).sum().backward()
 
 
 def test_host_synchronisations_are_counted():
@@ -184,5 +212,7 @@ def test_host_synchronisations_are_counted():
         "tensor(data, device=)",
         "blocking copy to the device",
         "barrier",
+        "nonzero in a Function's backward",
+        "item() in a tensor hook",
     }
     assert out == {name: int(name in waits) for name in out}

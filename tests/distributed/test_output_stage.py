@@ -59,8 +59,11 @@ OBJECTIVES = [
 # the loss's upstream gradient (the objectives that use every piece of the gradient, two scales)
 # "mask": the loss mask, the gradient most tokens share plus the masked tokens' (the default
 # above); "uniform": one value everywhere (nothing recomputed); "random": a value per token
-# (almost every token recomputed); "recompute": the mask, gradients only in the backward pass
-UPSTREAM = ["uniform", "random", "recompute"]
+# (almost every token recomputed); "recompute": the mask, gradients only in the backward pass;
+# "masked": a multiple of the mask, which the stage is told (the training step's contract: a
+# backward pass without waits)
+UPSTREAM = ["uniform", "random", "recompute", "masked"]
+MASKED_SCALE = 0.37
 UPSTREAM_OBJECTIVES = [OBJECTIVES[2], OBJECTIVES[1], OBJECTIVES[6]]
 UPSTREAM_SCALES = ["float32", "float64"]
 
@@ -139,16 +142,19 @@ def _one_path(fused: bool, scale: str, objective: tuple, *, train=True, upstream
     )
     tempnet = _tempnet(vocab, dtype, extreme, stop_grad) if source == "tempnet" else None
     common = dict(vocab_size=vocab, tempnet=tempnet, tp_group=dist.group.WORLD)
+    told = {"loss_mask": mask} if upstream == "masked" else {}
     tracker = _LargestAllocation()
     patch = mock.patch.object(gpt_objective, "fused_output_stage", stage)
     with tracker if fused else contextlib.nullcontext(), patch:
         if fused:
-            out = token_losses_fused(FinalHidden(hidden, weight), labels, config, **common)
+            final = FinalHidden(hidden, weight)
+            out = token_losses_fused(final, labels, config, **common, **told)
         else:
             logits = (hidden @ weight.t()).transpose(0, 1)  # [b, s, V_pad/tp]
             out = token_losses_from_logits(logits, labels, config, **common)
         if train:
-            (out.loss * mask).sum().backward()
+            scale = MASKED_SCALE if upstream == "masked" else 1.0
+            ((out.loss * mask).sum() * scale).backward()
     grads = {}
     if train:
         grads = {"hidden": hidden.grad, "weight": weight.grad}
@@ -269,6 +275,16 @@ def test_evaluation_terms_and_greedy_tokens(outcomes):
         for name in unfused:
             assert _relative(fused[name], unfused[name]) <= 1e-5, (tp, name)
         assert torch.equal(greedy, expected)
+
+
+def test_an_upstream_gradient_not_a_multiple_of_the_mask_is_refused():
+    hidden, weight, labels, mask = _inputs("float32")
+    hidden.requires_grad_()
+    out = fused_output_stage(
+        hidden, weight, labels.t(), loss="dro", vocab_size=203, tau=0.7, upstream_mask=mask.t()
+    )
+    with pytest.raises(RuntimeError, match="not a multiple of upstream_mask"):
+        (out.loss * mask.t() * torch.linspace(1, 2, SEQ)[:, None]).sum().backward()
 
 
 def test_a_second_backward_pass_is_refused():

@@ -176,6 +176,7 @@ def token_losses_fused(
     vocab_size: int,
     tempnet: torch.nn.Module | None = None,
     tp_group=None,
+    loss_mask: torch.Tensor | None = None,
 ) -> TokenLosses:
     """Per-token training loss, cross-entropy and tau from the final hidden states, through the
     fused output stage (``fused_output_stage``): the logits are never formed. The same values
@@ -190,6 +191,9 @@ def token_losses_fused(
         tempnet: the ``TempNetLM`` for ``--tau-source tempnet``; None: ``final.tempnet``
             (pipeline's last stage).
         tp_group: the tensor-parallel group the vocabulary is split over (None: no TP).
+        loss_mask: ``[b, s]`` 0/1, when the loss is trained on as ``masked_mean`` (the step's
+            contract): the backward pass then waits for nothing (``fused_output_stage``'s
+            ``upstream_mask``).
     Returns:
         ``TokenLosses``, each ``[b, s]``; ``ts_ce`` in evaluation (no gradients) only.
     """
@@ -211,6 +215,7 @@ def token_losses_fused(
         chunk_size=config.output_stage_chunk_size or None,
         eval_terms=not torch.is_grad_enabled(),
         sequence_parallel=final.sequence_parallel,
+        upstream_mask=None if loss_mask is None else loss_mask.t(),
         **source,
     )
     ts_ce = out.ts_ce.t() if out.ts_ce is not None else None
@@ -256,10 +261,12 @@ class OutputStage(torch.nn.Module):
         tempnet = self._tempnet[0]
         return [self._weight[0]] + (list(tempnet.parameters()) if tempnet is not None else [])
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, hidden: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """``[s, b, h]`` final hidden states (sequence parallel: ``[s/tp, b, h]``), ``[b, s]``
-        labels -> ``(loss, ce, tau[, ts_ce])`` (tensors: ZeRO-3 finds its backward hooks'
-        anchors in them)."""
+        labels (and the loss mask the step trains with) -> ``(loss, ce, tau[, ts_ce])``
+        (tensors: ZeRO-3 finds its backward hooks' anchors in them)."""
         final = FinalHidden(hidden, self._weight[0], sequence_parallel=self.sequence_parallel)
         out = token_losses_fused(
             final,
@@ -268,6 +275,7 @@ class OutputStage(torch.nn.Module):
             vocab_size=self.vocab_size,
             tempnet=self._tempnet[0],
             tp_group=self.tp_group,
+            loss_mask=loss_mask,
         )
         return (out.loss, out.ce, out.tau) + ((out.ts_ce,) if out.ts_ce is not None else ())
 
@@ -300,15 +308,17 @@ class TrainModule(torch.nn.Module):
                 lm.output_weight, tempnet, loss, vocab_size, tp_group, lm.sequence_parallel
             )
 
-    def forward(self, tokens, position_ids, labels) -> TokenLosses:
-        """``[b, s]`` token ids, positions and labels -> per-token loss, CE and tau."""
+    def forward(self, tokens, position_ids, labels, loss_mask=None) -> TokenLosses:
+        """``[b, s]`` token ids, positions and labels -> per-token loss, CE and tau.
+        ``loss_mask`` (``[b, s]``): the mask the step's ``masked_mean`` applies, which spares the
+        fused output stage's backward pass its waits for the device."""
         with torch.no_grad() if self.freeze_lm else contextlib.nullcontext():
             if self.output_stage is not None:
                 hidden = self.lm.final_hidden(tokens, position_ids).hidden  # [s(/tp), b, h]
             else:
                 logits = self.lm(tokens, position_ids)  # [b, s, V_pad/tp]
         if self.output_stage is not None:
-            return TokenLosses(*self.output_stage(hidden, labels))
+            return TokenLosses(*self.output_stage(hidden, labels, loss_mask))
         return token_losses_from_logits(
             logits,
             labels,

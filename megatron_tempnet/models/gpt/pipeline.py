@@ -88,7 +88,7 @@ class PipelineObjective:
         labels, mask = labels
         common = {"vocab_size": self.vocab_size, "tp_group": self.tp_group}
         if isinstance(outputs, FinalHidden):  # the fused output stage (TempNet rides along)
-            out = token_losses_fused(outputs, labels, self.loss, **common)
+            out = token_losses_fused(outputs, labels, self.loss, loss_mask=mask, **common)
         else:  # the logits, with TempNet's tau when TempNet is the last piece
             logits, tau = outputs if isinstance(outputs, tuple) else (outputs, None)
             out = token_losses_from_logits(logits, labels, self.loss, tau=tau, **common)

@@ -117,7 +117,7 @@ def train_step(engine, batches: list[dict], *, dp_group, max_grad_norm: float | 
     num_tokens = global_token_count(unpacked, dp_group)
     stats, grad_norm = TokenStatistics(), None
     for tokens, labels, mask, position_ids in accumulation(engine, unpacked):
-        out = engine(tokens, position_ids, labels)  # TrainModule.forward: TokenLosses
+        out = engine(tokens, position_ids, labels, mask)  # TrainModule.forward: TokenLosses
         loss = masked_mean(out.loss, mask, num_tokens)
         # `loss` is already this micro-batch's share of the global mean, but DeepSpeed averages
         # gradients over data-parallel ranks: scale by dp, and no further division by the

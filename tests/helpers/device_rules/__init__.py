@@ -36,8 +36,10 @@ With the rule installed (``install``):
 
 Every message adds where the offending host tensor was made. The rule is test support: the
 library never imports it. ``torch.compile``d functions run as plain Python under it (Dynamo
-cannot trace its mode). Its limits: operations only PyTorch's C++ calls (autograd's backward)
-and tensors of the legacy constructors (``torch.Tensor([...])``) are not seen.
+cannot trace its mode). The Python code autograd runs in the backward pass (custom Functions'
+``backward``, tensor hooks) runs under the rule too (``autograd``). Its limits: operations only
+PyTorch's C++ calls (the built-in backward formulas), hooks on autograd nodes and tensors of the
+legacy constructors (``torch.Tensor([...])``) are not seen.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import threading
 
 import torch
 
-from tests.helpers.device_rules import boundaries
+from tests.helpers.device_rules import autograd, boundaries
 from tests.helpers.device_rules.counting import (
     COUNTER,
     SyncCounter,
@@ -110,6 +112,7 @@ def install(report: str | None = None) -> SyncCounter:
             boundaries.install()
             _installed = DeviceRules()
             _installed.__enter__()
+            autograd.install(_installed)  # the Python code autograd runs, too
         if report is not None:
             atexit.register(write_report, report)
     return COUNTER

@@ -1,10 +1,12 @@
-"""The operation rule: a ``TorchFunctionMode`` that sees every PyTorch call of Python code."""
+"""The operation rule: a ``TorchFunctionMode`` that sees every PyTorch call of Python code (in
+the backward pass too: ``autograd``)."""
 
 from __future__ import annotations
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from tests.helpers.device_rules import autograd
 from tests.helpers.device_rules.counting import COUNTER
 from tests.helpers.device_rules.provenance import (
     DEVICE_ATTRIBUTE,
@@ -127,6 +129,7 @@ _FACTORIES = {
 }
 _FROM_PYTHON = {torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor}
 _RANDOM_WITH_GENERATOR_ARG = "generator"
+_HOOK_REGISTRATIONS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
 
 
 def _bool_index(index) -> bool:
@@ -147,6 +150,8 @@ class DeviceRules(TorchFunctionMode):
             if args and id(args[0]) in HOST and not called_from_torch():
                 return HOST_DEVICE
             return func(*args, **kwargs)
+        if func in _HOOK_REGISTRATIONS and len(args) > 1:  # the hook runs in backward
+            args = (args[0], autograd.wrap_hook(self, args[1]), *args[2:])
         if func in _SYNC_METHODS:
             if args and id(args[0]) not in HOST:
                 COUNTER.add(_SYNC_METHODS[func])
