@@ -13,22 +13,17 @@ CPU), whatever stage or process builds it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import os
-import shutil
-import sysconfig
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from megatron_tempnet.models.attention import ATTENTION_BACKENDS
+from megatron_tempnet.models.fusions import fusion_problem, warn_fusions_off
 from megatron_tempnet.models.rope import Rope
 from megatron_tempnet.utils.cli import UserError
 from megatron_tempnet.utils.flags import derived, option
-from megatron_tempnet.utils.logging import warn_rank0
 
 ATTENTION_SPELLINGS = {"flash": "auto", "fused": "auto", "local": "unfused"}
 """Megatron-LM's --attention-backend values and the backend here that computes each."""
@@ -213,10 +208,11 @@ def transformer_config(
         shape.openai_gelu and not shape.swiglu and shape.add_bias_linear and shape.bias_gelu_fusion
     )
     fused_dropout = shape.bias_dropout_fusion
-    missing = fusion_compiler_missing(torch.cuda.is_available())
-    if (fused_swiglu or fused_gelu or fused_dropout) and missing is not None:
-        _warn_no_compiler(missing)
-        fused_swiglu = fused_gelu = fused_dropout = False
+    if fused_swiglu or fused_gelu or fused_dropout:
+        problem = fusion_problem(torch.cuda.is_available())  # compiles a probe, once
+        if problem is not None:
+            warn_fusions_off(problem)
+            fused_swiglu = fused_gelu = fused_dropout = False
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -248,37 +244,6 @@ def transformer_config(
         sequence_parallel=sequence_parallel and tensor_parallel_size > 1,
         layernorm_zero_centered_gamma=shape.apply_layernorm_1p,
         recompute_granularity="selective" if selective_recompute else None,
-    )
-
-
-def fusion_compiler_missing(
-    cuda: bool, environ: Mapping[str, str] = os.environ, include: str | None = None
-) -> str | None:
-    """What ``torch.compile`` lacks here to build megatron-core's fusions, or None.
-
-    On a GPU, Triton builds a small C launcher for its kernels: a C compiler (``$CC``, else
-    ``gcc`` or ``clang``, as Triton looks for it) and Python's headers (``Python.h`` in
-    ``include``, default this interpreter's). On a CPU, inductor needs a C++ compiler (``$CXX``,
-    else ``g++``).
-    """
-    if not cuda:
-        cxx = environ.get("CXX", "g++")
-        return None if shutil.which(cxx) else f"no C++ compiler ({cxx}) for torch.compile"
-    cc = environ.get("CC") or next((c for c in ("gcc", "clang") if shutil.which(c)), None)
-    if cc is None or not shutil.which(cc):
-        return f"no C compiler ({cc or '$CC, gcc or clang'}) for Triton"
-    include = include or sysconfig.get_paths()["include"]
-    if not os.path.isfile(os.path.join(include, "Python.h")):
-        return f"no Python headers ({include}/Python.h) for Triton: install python3-dev"
-    return None
-
-
-@functools.cache
-def _warn_no_compiler(missing: str) -> None:
-    warn_rank0(
-        "%s: megatron-core's bias fusions are off, the model computes the same without them "
-        "(--no-bias-swiglu-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion silence this)",
-        missing,
     )
 
 

@@ -224,24 +224,61 @@ def test_fused_adamw_equals_the_per_tensor_loop():
         torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
 
 
-def test_without_a_compiler_the_fusions_are_off_with_a_warning(monkeypatch, caplog):
+@pytest.fixture
+def fresh_probe():
+    """The compile probe and its warning run again (each runs once per process)."""
+    from megatron_tempnet.models import fusions
+
+    for cached in (fusions._compile_probe, fusions.warn_fusions_off):
+        cached.cache_clear()
+    yield fusions
+    for cached in (fusions._compile_probe, fusions.warn_fusions_off):
+        cached.cache_clear()
+
+
+def test_without_a_compiler_the_fusions_are_off_with_a_warning(monkeypatch, caplog, fresh_probe):
     from megatron_tempnet.models import transformer
 
     shape = transformer.TransformerShape(swiglu=True, add_bias_linear=False)
     with_compiler = transformer.transformer_config(shape)
     assert with_compiler.bias_activation_fusion and with_compiler.bias_dropout_fusion
     monkeypatch.setenv("CXX", "no-such-compiler")
-    transformer._warn_no_compiler.cache_clear()
     with caplog.at_level("WARNING"):
         without = transformer.transformer_config(shape)
     assert not without.bias_activation_fusion and not without.bias_dropout_fusion
     assert "no C++ compiler (no-such-compiler)" in caplog.text
 
 
+def test_a_compiler_that_fails_turns_the_fusions_off_not_the_run(
+    monkeypatch, tmp_path, caplog, fresh_probe
+):
+    """A compiler that is there but fails (on a GPU: Triton without libcuda.so, a ptxas that
+    does not know the GPU) passes the check for a compiler, and megatron-core's first fused call
+    then stopped the run; the probe fails instead, and the fusions are off with one warning."""
+    from megatron.core.fusions.fused_bias_gelu import bias_gelu
+    from torch._inductor import config as inductor
+
+    from megatron_tempnet.models import transformer
+
+    monkeypatch.setattr(inductor.cpp, "cxx", (None, "false"))  # a C++ compiler that fails
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing compiled is reused
+    torch._dynamo.reset()
+    assert fresh_probe.fusion_compiler_missing(False, {"CXX": "false"}) is None
+    with pytest.raises(Exception, match="false"):  # the first step, without the probe
+        bias_gelu(torch.zeros(4), torch.ones(2, 4))
+    shape = transformer.TransformerShape(openai_gelu=True, add_bias_linear=True)
+    with caplog.at_level("WARNING"):
+        config = transformer.transformer_config(shape)
+    assert not config.bias_activation_fusion and not config.bias_dropout_fusion
+    [line] = [r.getMessage() for r in caplog.records if "fusions are off" in r.getMessage()]
+    assert line.startswith("torch.compile failed on a probe (")
+    torch._dynamo.reset()
+
+
 def test_on_a_gpu_triton_needs_a_c_compiler_and_python_headers(tmp_path):
     """Triton compiles a C launcher: without a C compiler or Python.h the fusions would fail at
     the first step on a GPU; they are reported missing instead (and turned off, as above)."""
-    from megatron_tempnet.models.transformer import fusion_compiler_missing
+    from megatron_tempnet.models.fusions import fusion_compiler_missing
 
     cc = shutil.which("gcc") or shutil.which("cc")
     assert fusion_compiler_missing(True, {"CC": cc}) is None  # this machine has both
