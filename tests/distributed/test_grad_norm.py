@@ -92,8 +92,9 @@ def test_norm_and_clipping_wait_for_nothing_and_copy_no_gradient(tp, dtype):
 
 
 class TokenModel(torch.nn.Module):
-    """A GPT task's module in miniature: ``forward(tokens, position_ids, labels)`` returns
-    ``TokenLosses``, a dataclass, in which DeepSpeed's engine sees no output tensor to hook."""
+    """A GPT task's module in miniature: ``forward(tokens, position_ids, labels, loss_mask)``
+    returns ``TokenLosses``, a dataclass, in which DeepSpeed's engine sees no output tensor to
+    hook."""
 
     def __init__(self):
         super().__init__()
@@ -101,7 +102,7 @@ class TokenModel(torch.nn.Module):
         self.hidden = torch.nn.Linear(16, 64)
         self.out = torch.nn.Linear(64, 8)
 
-    def forward(self, tokens, position_ids, labels):
+    def forward(self, tokens, position_ids, labels, loss_mask=None):
         from megatron_tempnet.models.gpt.objective import TokenLosses
 
         y = self.out(torch.tanh(self.hidden(self.embedding(tokens))))  # [b, s, 8]

@@ -2,7 +2,8 @@
 whole sequences, at TP 2 and 4: every per-token value and every gradient (this rank's hidden rows,
 the output weight, TempNet's parameters) for the DRO loss, TS-CE and cross-entropy with TempNet,
 a fixed or Newton's tau, the loss's upstream gradient being the loss mask (masked tokens
-recomputed one by one), one value, a value per token, or all gradients in the backward pass; the
+recomputed one by one, or told to the stage), one value, a value per token, or all gradients in
+the backward pass; the
 evaluation terms; and no ``[tokens, h]`` tensor on the way (only this rank's shard and one
 gathered chunk of rows).
 """
@@ -26,9 +27,10 @@ OBJECTIVES = [
     ("dro", "fixed", True),
     ("ce", "newton", True),
 ]
-# the loss's upstream gradient: the loss mask (the step's: masked tokens recomputed one by one),
-# one value everywhere, a value per token, the mask with every gradient in the backward pass
-UPSTREAM = ["mask", "uniform", "random", "recompute"]
+# the loss's upstream gradient: the loss mask (masked tokens recomputed one by one), one value
+# everywhere, a value per token, the mask with every gradient in the backward pass, a multiple of
+# the mask the stage is told (the training step's: no recompute, no wait)
+UPSTREAM = ["mask", "uniform", "random", "recompute", "masked"]
 
 
 class _Shapes(torch.utils._python_dispatch.TorchDispatchMode):
@@ -111,9 +113,10 @@ def _stage(sharded: bool, objective: tuple, upstream: str, dtype, train: bool = 
             vocab_size=STAGE_VOCAB,
             tempnet=tempnet,
             tp_group=dist.group.WORLD,
+            loss_mask=mask if upstream == "masked" else None,
         )
         if train:
-            (out.loss * mask).sum().backward()
+            ((out.loss * mask).sum() * (0.37 if upstream == "masked" else 1.0)).backward()
     result = {"loss": out.loss.detach(), "ce": out.ce, "tau": out.tau, "shapes": shapes.shapes}
     if out.ts_ce is not None:
         result["ts_ce"] = out.ts_ce
