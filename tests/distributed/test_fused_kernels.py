@@ -260,19 +260,21 @@ def test_a_compiler_that_fails_turns_the_fusions_off_not_the_run(
 
     from megatron_tempnet.models import transformer
 
-    monkeypatch.setattr(inductor.cpp, "cxx", (None, "false"))  # a C++ compiler that fails
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing compiled is reused
     torch._dynamo.reset()
     assert fresh_probe.fusion_compiler_missing(False, {"CXX": "false"}) is None
-    with pytest.raises(Exception, match="false"):  # the first step, without the probe
-        bias_gelu(torch.zeros(4), torch.ones(2, 4))
     shape = transformer.TransformerShape(openai_gelu=True, add_bias_linear=True)
-    with caplog.at_level("WARNING"):
-        config = transformer.transformer_config(shape)
+    try:
+        with inductor.patch({"cpp.cxx": (None, "false")}):  # a C++ compiler that fails
+            with pytest.raises(Exception, match="false"):  # the first step, without the probe
+                bias_gelu(torch.zeros(4), torch.ones(2, 4))
+            with caplog.at_level("WARNING"):
+                config = transformer.transformer_config(shape)
+    finally:
+        torch._dynamo.reset()
     assert not config.bias_activation_fusion and not config.bias_dropout_fusion
     [line] = [r.getMessage() for r in caplog.records if "fusions are off" in r.getMessage()]
     assert line.startswith("torch.compile failed on a probe (")
-    torch._dynamo.reset()
 
 
 def test_on_a_gpu_triton_needs_a_c_compiler_and_python_headers(tmp_path):

@@ -69,18 +69,6 @@ def _build_metadata(build_env: dict[str, str], pip: list[str], sdist: Path):
     )
 
 
-def test_the_emulated_machine_is_a_gpu_machine_without_a_toolkit():
-    probe = (
-        "import torch, torch.utils.cpp_extension as c; "
-        "print(torch.cuda.is_available(), torch.version.cuda, c.CUDA_HOME)"
-    )
-    env = {**os.environ, "PYTHONPATH": str(GPU_MACHINE)}
-    out = subprocess.run(
-        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
-    )
-    assert out.stdout.split() == ["True", "13.0", "None"]
-
-
 def test_deepspeed_builds_on_a_gpu_machine_without_a_cuda_toolkit(sdist):
     build_env, pip = _deepspeed_line()
     assert build_env == {"DS_BUILD_OPS": "0", "DS_IGNORE_CUDA_DETECTION": "1"}
@@ -88,7 +76,9 @@ def test_deepspeed_builds_on_a_gpu_machine_without_a_cuda_toolkit(sdist):
     done = _build_metadata(build_env, pip, sdist)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Would install deepspeed-" in done.stdout
-    # the earlier line, without DS_IGNORE_CUDA_DETECTION: pip stops in DeepSpeed's setup.py
+    # the earlier line, without DS_IGNORE_CUDA_DETECTION: pip stops in DeepSpeed's setup.py,
+    # in the op builders' question for nvcc, which they ask only where torch sees a GPU (the
+    # emulation is a GPU machine) and which fails without a toolkit (it has none)
     earlier = _build_metadata({"DS_BUILD_OPS": "0"}, pip, sdist)
     assert earlier.returncode != 0
     assert "MissingCUDAException: CUDA_HOME does not exist" in earlier.stdout + earlier.stderr
