@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megatron_tempnet.compat.build_locks import remove_stale_build_locks
 from tests.helpers import device_rules
-from tests.helpers.processes import context
+from tests.helpers.processes import as_a_started_process, context
 
 _HOST = "127.0.0.1"
 
@@ -48,6 +48,7 @@ def _die_with_parent() -> None:
 
 
 def _worker(fn, rank, world_size, port, args, kwargs, results, timeout):
+    as_a_started_process()
     _die_with_parent()
     torch.set_num_threads(1)
     payload = None

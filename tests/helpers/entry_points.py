@@ -24,7 +24,7 @@ import time
 import traceback
 
 from tests.helpers import device_rules
-from tests.helpers.processes import context
+from tests.helpers.processes import as_a_started_process, context
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _GRACE = 30.0  # seconds the other ranks get to stop after one has failed
@@ -64,6 +64,7 @@ def _main(
     *args)`` called first (a test's fault injection, ``tests.helpers.faults``); ``device_rule``:
     a directory: enforce the GPU's device rules (``tests.helpers.device_rules``) and write the
     host synchronisations per iteration there."""
+    as_a_started_process()
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
