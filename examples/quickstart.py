@@ -138,7 +138,7 @@ def main() -> int:
     print(f"[1/6] corpus: {train_docs} training documents, {held_docs} held-out passages (pydoc)")
     model = train_tokenizer(out("corpus.jsonl"), out("tokenizer"), args.vocab_size)
     print(f"[2/6] tokenizer: SentencePiece BPE, {args.vocab_size} ids -> {shown_path(model)}")
-    tokenizer = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model]
+    tokenizer = ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", model]
     python = [sys.executable]
     run(
         python

@@ -5,7 +5,7 @@
 holds the tokenizer's ``TokenizerIdentity`` (type, vocabulary size, sha256 of its files) and, for
 people, the paths the files were read from:
 
-    {"format": "megatron_tempnet.tokenizer/1", "tokenizer_type": "GPT2BPETokenizer",
+    {"format": "megatron_tempnet.tokenizer/2", "tokenizer_type": "GPT2BPETokenizer",
      "vocab_size": 50257, "sha256": "...", "files": ["/data/gpt2-vocab.json", ...]}
 
 A run compares the identity of its own tokenizer with each dataset's (``check_tokenizer``); a
@@ -21,7 +21,10 @@ from megatron_tempnet.data.indexed import TOKENIZER_SIDECAR, DatasetError
 from megatron_tempnet.data.tokenizers import TokenizerIdentity
 from megatron_tempnet.utils.files import write_atomic
 
-FORMAT = "megatron_tempnet.tokenizer/1"
+FORMAT = "megatron_tempnet.tokenizer/2"
+FORMAT_1 = "megatron_tempnet.tokenizer/1"
+"""Before Megatron-LM's SentencePieceTokenizer was built, ``SentencePieceTokenizer`` in a record
+of this format meant the SentencePiece model's own ids, GPTSentencePieceTokenizer's (read so)."""
 
 
 def sidecar_path(prefix: str) -> str:
@@ -53,11 +56,12 @@ def read_sidecar(prefix: str) -> tuple[TokenizerIdentity, list[str]] | None:
             f"{path}: unreadable ({e}); delete it to accept the dataset unchecked"
         ) from None
     try:
-        if record["format"] != FORMAT:
+        if record["format"] not in (FORMAT, FORMAT_1):
             raise ValueError(f"format {record['format']!r}, expected {FORMAT!r}")
-        identity = TokenizerIdentity(
-            str(record["tokenizer_type"]), int(record["vocab_size"]), str(record["sha256"])
-        )
+        kind = str(record["tokenizer_type"])
+        if record["format"] == FORMAT_1 and kind == "SentencePieceTokenizer":
+            kind = "GPTSentencePieceTokenizer"
+        identity = TokenizerIdentity(kind, int(record["vocab_size"]), str(record["sha256"]))
         return identity, [str(f) for f in record.get("files", [])]
     except (KeyError, TypeError, ValueError) as e:
         raise DatasetError(

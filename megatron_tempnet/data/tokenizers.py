@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,10 +43,12 @@ class TokenizerConfig:
     """Which tokenizer, from which files (Megatron-LM's flags)."""
 
     tokenizer_type: str = option(choices=TOKENIZER_TYPES)
-    """The tokenizer's kind: a SentencePiece model (SentencePieceTokenizer and
-    GPTSentencePieceTokenizer: no BOS, end of document = its EOS; Llama2Tokenizer: a BOS before
-    every text), GPT-2 byte-level BPE, a local Hugging Face tokenizer directory, or
-    NullTokenizer (the text is the ids, separated by spaces; needs --vocab-size)."""
+    """The tokenizer's kind, as in Megatron-LM: a SentencePiece model (GPTSentencePieceTokenizer:
+    its own ids, end of document = its EOS; Llama2Tokenizer: the same with a BOS before every
+    text; SentencePieceTokenizer: <CLS> <SEP> <EOD> <MASK> and pad/BOS/EOS pieces added after
+    the model's, end of document = <EOD>), GPT-2 byte-level BPE, a local Hugging Face tokenizer
+    directory, or NullTokenizer (the text is the ids, separated by spaces; needs
+    --vocab-size)."""
     tokenizer_model: str | None = None
     """SentencePiece .model file, or a Hugging Face tokenizer directory."""
     vocab_size: int | None = None
@@ -132,8 +135,8 @@ class _Tokenizer:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod})"
 
 
-class SentencePieceTokenizer(_Tokenizer):
-    """A SentencePiece model (LLaMA-1/2 use one); end of document = the model's EOS piece."""
+class _SentencePieceModel(_Tokenizer):
+    """A SentencePiece model's own ids, nothing added; end of document = the model's EOS piece."""
 
     _digest_key = "model_sha256"
 
@@ -152,6 +155,10 @@ class SentencePieceTokenizer(_Tokenizer):
         self.eod = eos if eos >= 0 else None
         self._read_files(model_file)
 
+    @property
+    def identity(self) -> TokenizerIdentity:  # the model's own ids, whichever class reads them
+        return TokenizerIdentity("GPTSentencePieceTokenizer", self.vocab_size, self.files_sha256)
+
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         # one thread: preprocessing parallelises over worker processes instead
         return self._sp.encode(list(texts), num_threads=1)
@@ -160,19 +167,15 @@ class SentencePieceTokenizer(_Tokenizer):
         return self._sp.decode([int(i) for i in ids])
 
 
-class GPTSentencePieceTokenizer(SentencePieceTokenizer):
-    """Megatron-LM's name for a SentencePiece model read as this project's
-    ``SentencePieceTokenizer`` reads it: the model's ids, nothing added; end of document = EOS."""
-
-    @property
-    def identity(self) -> TokenizerIdentity:  # the same ids as SentencePieceTokenizer's
-        return TokenizerIdentity("SentencePieceTokenizer", self.vocab_size, self.files_sha256)
+class GPTSentencePieceTokenizer(_SentencePieceModel):
+    """Megatron-LM's GPTSentencePieceTokenizer: the SentencePiece model's ids, nothing added;
+    end of document = its EOS."""
 
 
-class Llama2Tokenizer(SentencePieceTokenizer):
+class Llama2Tokenizer(_SentencePieceModel):
     """LLaMA-2's SentencePiece model as Megatron-LM reads it: every text starts with the BOS id
     (a document in preprocessing, a prompt in generation); end of document = EOS. The ids mean
-    what ``SentencePieceTokenizer``'s mean (same identity)."""
+    what ``GPTSentencePieceTokenizer``'s mean (same identity)."""
 
     def __init__(self, model_file: str):
         super().__init__(model_file)
@@ -183,12 +186,68 @@ class Llama2Tokenizer(SentencePieceTokenizer):
                 "piece: use GPTSentencePieceTokenizer (no BOS)"
             )
 
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [[self.bos, *ids] for ids in super().tokenize_batch(texts)]
+
+
+SENTENCEPIECE_SPECIALS = ("<CLS>", "<SEP>", "<EOD>", "<MASK>")
+"""The tokens Megatron-LM's SentencePieceTokenizer adds first, in this order."""
+
+
+class SentencePieceTokenizer(_SentencePieceModel):
+    """Megatron-LM's SentencePieceTokenizer: the model's pieces, then the special tokens it adds
+    after them when the model lacks them: <CLS>, <SEP>, <EOD>, <MASK>, then the model's pad, BOS
+    and EOS pieces (<PAD>, <BOS>, <EOS> when it has none). End of document = <EOD>. A special
+    token written in the text is that token (the earliest in the text first; at one position,
+    the first in that order); detokenizing writes each special token between spaces."""
+
+    def __init__(self, model_file: str):
+        super().__init__(model_file)
+        sp = self._sp
+        pieces = {sp.id_to_piece(i): i for i in range(self.vocab_size)}
+
+        def own(piece_id: int, fallback: str) -> str:
+            return sp.id_to_piece(piece_id) if 0 <= piece_id < self.vocab_size else fallback
+
+        named = [*SENTENCEPIECE_SPECIALS, own(sp.pad_id(), "<PAD>"), own(sp.bos_id(), "<BOS>"),
+                 own(sp.eos_id(), "<EOS>")]  # fmt: skip
+        self.special_ids: dict[str, int] = {}
+        for token in named:
+            if token not in pieces:
+                pieces[token] = len(pieces)
+            self.special_ids.setdefault(token, pieces[token])
+        self.special_tokens = {i: t for t, i in self.special_ids.items()}
+        self.vocab_size = len(pieces)
+        self.eod = self.special_ids["<EOD>"]
+        alternatives = "|".join(re.escape(t) for t in self.special_ids)
+        self._specials = re.compile(f"({alternatives})")
+
     @property
     def identity(self) -> TokenizerIdentity:
         return TokenizerIdentity("SentencePieceTokenizer", self.vocab_size, self.files_sha256)
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [[self.bos, *ids] for ids in super().tokenize_batch(texts)]
+        plain = [i for i, t in enumerate(texts) if not self._specials.search(t)]
+        out: list[list[int]] = [[] for _ in texts]
+        for i, ids in zip(plain, super().tokenize_batch([texts[i] for i in plain])):
+            out[i] = ids
+        for i in sorted(set(range(len(texts))) - set(plain)):
+            parts = self._specials.split(texts[i])  # text, token, text, token, ..., text
+            ids = []
+            for j, part in enumerate(parts):
+                ids += [self.special_ids[part]] if j % 2 else self._sp.encode(part)
+            out[i] = ids
+        return out
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        text, run = "", []
+        for i in (int(i) for i in ids):
+            if i in self.special_tokens:
+                text += self._sp.decode(run) + " " + self.special_tokens[i] + " "
+                run = []
+            else:
+                run.append(i)
+        return text + self._sp.decode(run)
 
 
 class GPT2BPETokenizer(_Tokenizer):

@@ -76,8 +76,14 @@ def load_from_args(
             )
         tokenizer = build_tokenizer(**spec)
     if tokenizer.vocab_size > model.vocab_size:
+        hint = ""
+        if type(tokenizer).__name__ == "SentencePieceTokenizer":
+            hint = (
+                " (SentencePieceTokenizer adds Megatron-LM's special tokens to the model's: "
+                "for the model's own ids give --tokenizer-type GPTSentencePieceTokenizer)"
+            )
         raise TokenizerError(
-            f"the tokenizer has {tokenizer.vocab_size} tokens, the model {model.vocab_size}"
+            f"the tokenizer has {tokenizer.vocab_size} tokens, the model {model.vocab_size}{hint}"
         )
     if need_tempnet and args.fixed_tau is None and model.tempnet is None:
         raise InferenceError(f"--load {args.load}: no TempNet in it: give --tempnet or --fixed-tau")

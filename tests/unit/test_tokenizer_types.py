@@ -56,17 +56,44 @@ def test_sentencepiece_flavours_against_sentencepiece(sp_model):
 
     sp = sentencepiece.SentencePieceProcessor(model_file=sp_model)
     ids = sp.encode(TEXTS)
-    plain = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model)
     gpt = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=sp_model)
     llama = build_tokenizer("Llama2Tokenizer", tokenizer_model=sp_model)
-    assert plain.tokenize_batch(TEXTS) == ids and gpt.tokenize_batch(TEXTS) == ids
+    assert gpt.tokenize_batch(TEXTS) == ids
     assert llama.tokenize_batch(TEXTS) == [[sp.bos_id(), *i] for i in ids]
     assert sp.bos_id() >= 0 and all(i[0] != sp.bos_id() for i in ids)
-    for tok in (plain, gpt, llama):
+    for tok in (gpt, llama):
         assert (tok.vocab_size, tok.eod) == (sp.vocab_size(), sp.eos_id())
         assert tok.detokenize(tok.tokenize(TEXTS[0])) == TEXTS[0]
-        # the same ids mean the same pieces: datasets of one are read by the others
-        assert tok.identity == plain.identity
+    # the same ids mean the same pieces: datasets of one are read by the other
+    assert llama.identity == gpt.identity
+
+
+def test_sentencepiece_tokenizer_adds_megatron_lms_special_tokens(sp_model):
+    """Megatron-LM's SentencePieceTokenizer, its rules written out: after the model's n pieces,
+    <CLS> <SEP> <EOD> <MASK> and the model's pad, BOS and EOS pieces, each only when the model
+    lacks it (this model: no pad piece, so <PAD>; its <s> and </s> keep their ids); end of
+    document = <EOD>; a special token in the text is its id; detokenized between spaces."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=sp_model)
+    n, bos, eos = sp.vocab_size(), sp.bos_id(), sp.eos_id()
+    assert sp.pad_id() < 0 and (sp.id_to_piece(bos), sp.id_to_piece(eos)) == ("<s>", "</s>")
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model)
+    cls, sep, eod, mask, pad = range(n, n + 5)
+    assert tok.special_ids == {
+        "<CLS>": cls, "<SEP>": sep, "<EOD>": eod, "<MASK>": mask, "<PAD>": pad,
+        "<s>": bos, "</s>": eos,
+    }  # fmt: skip
+    assert (tok.vocab_size, tok.eod) == (n + 5, eod)
+    assert tok.tokenize_batch(TEXTS) == sp.encode(TEXTS)  # text without special tokens
+    a, b = TEXTS[0], TEXTS[1]
+    text = f"<CLS>{a}<EOD>{b}</s><MASK>"
+    want = [cls, *sp.encode(a), eod, *sp.encode(b), eos, mask]
+    assert tok.tokenize(text) == want
+    assert tok.tokenize_batch([a, text, b]) == [sp.encode(a), want, sp.encode(b)]
+    assert tok.detokenize([cls, *sp.encode(a), eod]) == f" <CLS> {a} <EOD> "
+    gpt = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=sp_model)
+    assert tok.identity.tokenizer_type == "SentencePieceTokenizer" and tok.identity != gpt.identity
 
 
 def test_vocab_size_with_a_tokenizer_of_files_must_be_its_size(sp_model):

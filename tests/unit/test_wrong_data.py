@@ -48,7 +48,7 @@ def tokenizers(tmp_path_factory) -> dict[str, dict]:
             "merge_file": upper[1],
         },
         "sp": {
-            "tokenizer_type": "SentencePieceTokenizer",
+            "tokenizer_type": "GPTSentencePieceTokenizer",
             "tokenizer_model": train_sentencepiece(str(d)),
         },
         "hf": {
@@ -74,7 +74,7 @@ def _expected_identity(spec: dict) -> tuple[int, str]:
     if kind == "GPT2BPETokenizer":
         vocab = json.load(open(spec["vocab_file"], encoding="utf-8"))
         return len(vocab), _sha256(spec["vocab_file"], spec["merge_file"])
-    if kind == "SentencePieceTokenizer":
+    if kind == "GPTSentencePieceTokenizer":
         import sentencepiece
 
         model = spec["tokenizer_model"]
@@ -85,6 +85,25 @@ def _expected_identity(spec: dict) -> tuple[int, str]:
     names = sorted(f for f in os.listdir(directory) if f.endswith((".json", ".txt", ".model")))
     files = [os.path.join(directory, f) for f in names]
     return len(AutoTokenizer.from_pretrained(directory)), _sha256(*files)
+
+
+def test_an_earlier_sentencepiece_record_means_the_models_own_ids(tokenizers, tmp_path):
+    """A record written before SentencePieceTokenizer added Megatron-LM's special tokens (format
+    1) named the model's own ids so: GPTSentencePieceTokenizer reads its dataset, Megatron-LM's
+    SentencePieceTokenizer is refused with both named."""
+    spec = tokenizers["sp"]
+    gpt = build_tokenizer(**spec)
+    megatron = build_tokenizer(**{**spec, "tokenizer_type": "SentencePieceTokenizer"})
+    prefix = str(tmp_path / "old")
+    record = {"format": "megatron_tempnet.tokenizer/1", "tokenizer_type": "SentencePieceTokenizer",
+              "vocab_size": gpt.vocab_size, "sha256": gpt.identity.sha256, "files": []}  # fmt: skip
+    with open(sidecar_path(prefix), "w") as f:
+        json.dump(record, f)
+    assert check_tokenizer([prefix], gpt.identity) == []
+    with pytest.raises(DatasetError) as e:
+        check_tokenizer([prefix], megatron.identity)
+    assert f"GPTSentencePieceTokenizer, {gpt.vocab_size} ids" in str(e.value)
+    assert f"SentencePieceTokenizer, {gpt.vocab_size + 5} ids" in str(e.value)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "sp", "hf"])
