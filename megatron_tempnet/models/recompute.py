@@ -45,6 +45,17 @@ class Recompute:
             training.recompute_num_layers,
         )
 
+    def describe(self) -> str | None:
+        """One start-up phrase for the recomputation, or None when there is none."""
+        if self.granularity is None:
+            return None
+        if self.selective:
+            return "selective: the core attention of every layer"
+        s = "s" if self.num_layers != 1 else ""
+        if self.method == "uniform":
+            return f"full, uniform: chunks of {self.num_layers} layer{s}"
+        return f"full, block: the first {self.num_layers} layer{s} of each pipeline stage"
+
     @property
     def selective(self) -> bool:
         return self.granularity == "selective"

@@ -88,11 +88,12 @@ def model_and_own_groups(
     name: str,
     own: dict[str, tuple[list, float, float]],
     constant: frozenset[str] = frozenset(),
+    floors: dict[str, float] | None = None,
 ) -> list[ParamGroup]:
     """The optimizer groups of a task's module: ``decay_groups(name, ...)`` for every trainable
     parameter outside ``own``, then one group per entry of ``own`` (``{group: (parameters, peak
-    lr, weight decay)}``) on its own schedule, its floor in the ratio --min-lr / --lr; the groups
-    named in ``constant`` keep their peak throughout."""
+    lr, weight decay)}``) on its own schedule, its floor ``floors[group]`` or else in the ratio
+    --min-lr / --lr; the groups named in ``constant`` keep their peak throughout."""
     owned = {id(p) for params, _, _ in own.values() for p in params}
     rest = [p for p in module.parameters() if id(p) not in owned]
     groups = decay_groups(name, rest, opt.lr, opt.min_lr, opt.weight_decay)
@@ -101,7 +102,7 @@ def model_and_own_groups(
         params = [p for p in params if p.requires_grad]
         if params:
             fixed = group in constant
-            floor = lr if fixed else lr * ratio
+            floor = lr if fixed else (floors or {}).get(group, lr * ratio)
             groups.append(ParamGroup(group, params, lr, floor, weight_decay, group, fixed))
     return groups
 

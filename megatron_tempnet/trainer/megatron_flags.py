@@ -38,8 +38,6 @@ REFUSED: dict[str, str] = {
     "--q-lora-rank": _MLA,
     "--kv-lora-rank": _MLA,
     "--rotary-interleaved": "interleaved RoPE is not built (rotary over halves, LLaMA's)",
-    "--decoupled-lr": "a separate learning rate for the embeddings is not built",
-    "--decoupled-min-lr": "a separate learning rate for the embeddings is not built",
     "--use-legacy-models": "the layers are megatron-core's (Megatron-LM's legacy models are not)",
     "--step-batch-size-schedule": "batch-size schedules: use --rampup-batch-size",
     "--spec": "custom layer specs are not loaded from the command line",
@@ -53,13 +51,18 @@ REFUSED_PREFIXES: dict[str, str] = {
 }
 """Flag families of features that are not built."""
 
+_DECOUPLED = "a learning rate for an LM's input embedding and output layer (pretrain_gpt.py)"
+CLIP_REFUSED: dict[str, str] = {"--decoupled-lr": _DECOUPLED, "--decoupled-min-lr": _DECOUPLED}
+"""Megatron-LM's flags that pretrain_clip.py refuses besides ``REFUSED``: a language model's."""
+
 
 @dataclass
 class RunSpellings:
     """Megatron-LM's and Megatron-DeepSpeed's flags for what the project does anyway."""
 
     deepspeed: bool = False
-    """Megatron-DeepSpeed: train with DeepSpeed. Here: always; DeepSpeed is the engine."""
+    """Megatron-DeepSpeed: train with DeepSpeed. Here: always; DeepSpeed is the engine (and,
+    as in Megatron-DeepSpeed, --recompute-num-layers defaults to 1)."""
     distributed_backend: str = option("nccl", choices=("nccl", "gloo"))
     """Megatron-LM: the torch.distributed backend. Here: the compute device's (NCCL on GPUs;
     gloo on CPU, whatever is given)."""
@@ -110,6 +113,31 @@ class RunSpellings:
     ckpt_assume_constant_structure: bool = False
     """Megatron-LM: reuse the save plan of the previous save. Here: no effect (a save plan
     is made for every save)."""
+    deepspeed_activation_checkpointing: bool = False
+    """Megatron-DeepSpeed: recompute through DeepSpeed's activation checkpointing (with its
+    partitioning, CPU and contiguous-buffer options) instead of Megatron's. Here: megatron-core's
+    checkpoint function recomputes what --recompute-granularity (or --checkpoint-activations)
+    asks for, with the same gradients."""
+    checkpoint_activations: bool = False
+    """Megatron-DeepSpeed: recompute the transformer layers in the backward pass (the older
+    spelling). Here: --recompute-granularity full --recompute-method uniform, in chunks of
+    --recompute-num-layers (default: --checkpoint-num-layers)."""
+    checkpoint_num_layers: int = 1
+    """Megatron-DeepSpeed: the layers per recomputed chunk of --checkpoint-activations. Here:
+    --recompute-num-layers, when that is not given."""
+    partition_activations: bool = False
+    """Megatron-DeepSpeed: split the recomputed layers' saved inputs over the tensor-parallel
+    ranks. Here: not built; every tensor-parallel rank keeps the whole input (more activation
+    memory than Megatron-DeepSpeed, the same training)."""
+    contigious_checkpointing: bool = False
+    """Megatron-DeepSpeed: copy the recomputed layers' saved inputs into one buffer. Here: no
+    effect (they are the autograd graph's own tensors)."""
+    synchronize_each_layer: bool = False
+    """Megatron-DeepSpeed: wait for the device before and after each recomputed layer (for
+    profiling). Here: no effect (no per-layer host waits)."""
+    no_pipeline_parallel: bool = False
+    """Megatron-DeepSpeed: build the model without DeepSpeed's pipeline module. Here: one
+    pipeline stage, as --pipeline-model-parallel-size 1 is (a larger one is refused)."""
 
 
 def notes(args: argparse.Namespace, given: set[str]) -> list[str]:
@@ -140,6 +168,9 @@ def problems(args: argparse.Namespace) -> list[str]:
         out.append(f"--transformer-impl {args.transformer_impl}: {_TE}")
     if args.expert_model_parallel_size != 1:
         out.append(f"--expert-model-parallel-size {args.expert_model_parallel_size}: {_MOE}")
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    if args.no_pipeline_parallel and pp != 1:
+        out.append(f"--no-pipeline-parallel: contradicts --pipeline-model-parallel-size {pp}")
     return out
 
 
@@ -147,6 +178,12 @@ def apply(args: argparse.Namespace) -> None:
     """Set the project's flags that ``RunSpellings`` flags map to."""
     if args.use_distributed_optimizer and args.zero_stage == 0:
         args.zero_stage = 1
+    if args.deepspeed and args.recompute_num_layers is None and args.recompute_method:
+        args.recompute_num_layers = 1  # Megatron-DeepSpeed's default (Megatron-LM has none)
+    if args.checkpoint_activations:  # as Megatron-DeepSpeed, whatever the recompute flags say
+        args.recompute_granularity, args.recompute_method = "full", "uniform"
+        if args.recompute_num_layers is None:
+            args.recompute_num_layers = args.checkpoint_num_layers
 
 
 def given_fields(cls: type, given: set[str]) -> list[str]:

@@ -112,15 +112,19 @@ def test_the_hugging_face_export_writes_one_plus_weight(runs):
 def _run_config(one_p: bool, load: str):
     from megatron_tempnet.data.gpt_data import GPTDataConfig
     from megatron_tempnet.data.tokenizers import TokenizerConfig
-    from megatron_tempnet.models.gpt.task import GPTRunConfig, GPTTrainingConfig
-    from megatron_tempnet.trainer.config import CheckpointConfig, OptimizerConfig
+    from megatron_tempnet.models.gpt.task import (
+        GPTOptimizerConfig,
+        GPTRunConfig,
+        GPTTrainingConfig,
+    )
+    from megatron_tempnet.trainer.config import CheckpointConfig
 
     return GPTRunConfig(
         model=_model("llama", one_p),
         data=GPTDataConfig(data_path=["unused"], seq_length=SEQ),
         tokenizer=TokenizerConfig(tokenizer_type="GPT2BPETokenizer"),
         training=GPTTrainingConfig(train_iters=1),
-        optimizer=OptimizerConfig(lr=1e-3),
+        optimizer=GPTOptimizerConfig(lr=1e-3),
         checkpoint=CheckpointConfig(load=load, save=load),
     )
 

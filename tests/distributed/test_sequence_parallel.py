@@ -117,8 +117,13 @@ def _run_config(case: dict, world: int):
     from megatron_tempnet.data.gpt_data import GPTDataConfig
     from megatron_tempnet.data.tokenizers import TokenizerConfig
     from megatron_tempnet.models.gpt.objective import LossConfig
-    from megatron_tempnet.models.gpt.task import GPTRunConfig, GPTTrainingConfig, validate_gpt
-    from megatron_tempnet.trainer.config import OptimizerConfig, ParallelConfig
+    from megatron_tempnet.models.gpt.task import (
+        GPTOptimizerConfig,
+        GPTRunConfig,
+        GPTTrainingConfig,
+        validate_gpt,
+    )
+    from megatron_tempnet.trainer.config import ParallelConfig
 
     config = GPTRunConfig(
         model=_model(case["arch"]),
@@ -149,7 +154,7 @@ def _run_config(case: dict, world: int):
         # the default epsilon (1e-8) a gradient that is float32 rounding noise around zero
         # (it differs with the order of any sum) moves its weight by a random +-lr; an
         # epsilon of 1e-4 keeps the update proportional to such gradients
-        optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-4),
+        optimizer=GPTOptimizerConfig(lr=3e-3, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-4),
     )
     validate_gpt(config, world)
     return config

@@ -29,9 +29,20 @@ SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_scrip
 THREE_ITERATIONS = "--train-iters 3"
 
 
-def recorded_launch(script: str, tmp, *positional: str, env: dict | None = None):
+def recorded_launch(
+    script: str, tmp, *positional: str, env: dict | None = None, edit: tuple[str, str] = ("", "")
+):
     """Run ``script`` in bash with a ``torchrun`` that records its arguments: returns
-    (``--nproc_per_node``, the flags after ``pretrain_gpt.py``)."""
+    (``--nproc_per_node``, the flags after ``pretrain_gpt.py``). ``edit``: (a line of the
+    script, what a user changes it to)."""
+    path = os.path.join(SCRIPTS, script)
+    if edit[0]:
+        with open(path) as f:
+            text = f.read()
+        assert text.count(edit[0]) == 1, edit
+        path = str(tmp / script)
+        with open(path, "w") as f:
+            f.write(text.replace(edit[0], edit[1]))
     bin_dir = tmp / "bin"
     bin_dir.mkdir(exist_ok=True)
     shim = bin_dir / "torchrun"
@@ -49,7 +60,7 @@ def recorded_launch(script: str, tmp, *positional: str, env: dict | None = None)
         **(env or {}),
     }
     subprocess.run(
-        ["bash", os.path.join(SCRIPTS, script), *positional],
+        ["bash", path, *positional],
         env=full_env,
         cwd=work,
         check=True,
@@ -84,7 +95,7 @@ def sentencepiece_corpus(tmp_path_factory):
     """A SentencePiece model (LLaMA-2's kind of tokenizer) and a dataset it tokenized."""
     d = tmp_path_factory.mktemp("sp_corpus")
     model = train_sentencepiece(str(d), vocab_size=400)
-    spec = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": model}
+    spec = {"tokenizer_type": "GPTSentencePieceTokenizer", "tokenizer_model": model}
     return {"model": model, "prefix": _preprocess(d, spec)}
 
 
@@ -121,7 +132,10 @@ def test_megatron_gpt3_175b_script_trains(gpt2_corpus, tmp_path):
 
 def test_megatron_deepspeed_llama2_script_trains(sentencepiece_corpus, tmp_path):
     """--deepspeed --deepspeed_config=FILE, --num-key-value-heads, --normalization rmsnorm,
-    GPTSentencePieceTokenizer, a weighted --data-path, TP 2 x PP 2."""
+    GPTSentencePieceTokenizer, a weighted --data-path, TP 2 x PP 2; its activation
+    checkpointing switched on as its comment says (--deepspeed-activation-checkpointing
+    --recompute-granularity full --recompute-method uniform: one layer per chunk, Megatron-
+    DeepSpeed's default)."""
     metrics = tmp_path / "metrics.jsonl"
     base = tmp_path / "base"
     base.mkdir()
@@ -135,8 +149,10 @@ def test_megatron_deepspeed_llama2_script_trains(sentencepiece_corpus, tmp_path)
             # the script's schedule (2000 warm-up iterations of 250000), for 3 iterations
             "EXTRA_ARGS": f"{THREE_ITERATIONS} --lr-decay-iters 250000 --metrics-file {metrics}",
         },
+        edit=('activation_checkpoint="false"', 'activation_checkpoint="true"'),
     )
     assert nproc == 4 and any(a.startswith("--deepspeed_config=") for a in args)
+    assert "--deepspeed-activation-checkpointing" in args
     out = run_entry_point("pretrain_gpt.py", nproc, args)
     assert [r["iteration"] for r in _metrics(metrics) if "tau_mean" in r or "loss" in r][:3] == [
         1,
@@ -144,6 +160,8 @@ def test_megatron_deepspeed_llama2_script_trains(sentencepiece_corpus, tmp_path)
         3,
     ]
     assert "--num-key-value-heads 2: --group-query-attention --num-query-groups" in out.stderr
+    assert "--deepspeed-activation-checkpointing: megatron-core's checkpoint function" in out.stderr
+    assert "activation recomputation: full, uniform: chunks of 1 layer\n" in out.stderr
 
 
 MIXTRAL_REFUSED = [
@@ -156,8 +174,6 @@ MIXTRAL_REFUSED = [
     "--expert-model-parallel-size 8",
 ]
 LLAMA3_FP8_REFUSED = [
-    "--decoupled-lr",
-    "--decoupled-min-lr",
     "--fp8-format",
     "--fp8-amax-history-len",
     "--fp8-amax-compute-algo",
@@ -192,6 +208,57 @@ def test_scripts_of_unbuilt_features_stop_at_once_naming_each(
     named = [line.split(":")[0].strip() for line in first.splitlines()[1:]]
     assert named == refused, first
     assert not os.path.exists(ckpt)
+
+
+def _megatron_core_lrs(iterations: int, batch: int, groups: list[dict], **schedule) -> list:
+    """Each iteration's learning rate per group, by megatron-core's own scheduler as
+    Megatron-LM drives it with --train-samples (steps in samples, one step per iteration)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    class Optimizer:  # the scheduler reads and sets param_groups only
+        param_groups = [dict(g) for g in groups]
+
+    sched = OptimizerParamScheduler(Optimizer, start_wd=0.1, end_wd=0.1, wd_incr_steps=1,
+                                    wd_incr_style="constant", **schedule)  # fmt: skip
+    rows = []
+    for _ in range(iterations):
+        rows.append([g["lr"] for g in Optimizer.param_groups])
+        sched.step(increment=batch)
+    return rows
+
+
+def test_megatron_llama3_script_trains_with_decoupled_lr_without_its_fp8_flags(tmp_path):
+    """Megatron-LM's LLaMA-3 8B script without its four FP8 flags (what a user without FP8
+    runs): --decoupled-lr 5e-4 / --decoupled-min-lr 4.5e-5 give the input embedding and the
+    output layer their own learning rate, every iteration the one megatron-core's scheduler
+    gives a group with that peak and floor (the rest: --lr 1.5e-4, --min-lr 1e-5); warm-up,
+    cosine decay and floor within 6 iterations of 8 samples."""
+    metrics = tmp_path / "metrics.jsonl"
+    schedule = "--train-samples 48 --lr-warmup-samples 16 --lr-decay-samples 40"
+    small = "--global-batch-size 8 --vocab-size 1024 --eval-iters 1"
+    nproc, args = recorded_launch(
+        "train_llama3_8b_h100_fp8.sh",
+        tmp_path,
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "tb"),
+        env={"EXTRA_ARGS": f"{schedule} {small} --metrics-file {metrics}"},
+    )
+    fp8 = [i for i, a in enumerate(args) if a.startswith("--fp8-")]
+    assert len(fp8) == 4
+    args = [a for i, a in enumerate(args) if i not in fp8 and i - 1 not in fp8]
+    assert args[args.index("--decoupled-lr") + 1] == "5.0e-4"
+    run_entry_point("pretrain_gpt.py", nproc, args)
+    rows = [r for r in _metrics(metrics) if "decoupled_lr" in r]
+    assert [r["iteration"] for r in rows] == list(range(1, 7))
+    groups = [{"max_lr": 1.5e-4, "min_lr": 1e-5}, {"max_lr": 5e-4, "min_lr": 4.5e-5}]
+    expected = _megatron_core_lrs(
+        6, 8, groups, init_lr=0.0, max_lr=1.5e-4, min_lr=1e-5, lr_warmup_steps=16,
+        lr_decay_steps=40, lr_decay_style="cosine",
+    )  # fmt: skip
+    for row, (lr, decoupled) in zip(rows, expected):
+        assert row["lr"] == pytest.approx(lr, rel=1e-12, abs=1e-18), row["iteration"]
+        assert row["decoupled_lr"] == pytest.approx(decoupled, rel=1e-12, abs=1e-18)
+    assert rows[-1]["decoupled_lr"] == 4.5e-5 and rows[-1]["lr"] == 1e-5  # the floors
 
 
 def test_tempnet_llama2_script_trains_tempnet_on_the_frozen_lm(sentencepiece_corpus, tmp_path):

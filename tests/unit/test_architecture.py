@@ -201,6 +201,9 @@ def _options(parser) -> dict[str, str]:
 
 
 GPT_FLAGS = """adam-beta1 adam-beta2 adam-eps async-save checkpoint-timeout-minutes
+decoupled-lr decoupled-min-lr deepspeed-activation-checkpointing checkpoint-activations
+checkpoint-num-layers partition-activations contigious-checkpointing synchronize-each-layer
+no-pipeline-parallel
 ckpt-assume-constant-structure ckpt-digest
 ckpt-format ckpt-fully-parallel-load no-ckpt-fully-parallel-save use-persistent-ckpt-worker
 apply-layernorm-1p apply-query-key-layer-scaling

@@ -124,7 +124,10 @@ def test_grouped_query_attention_as_megatron_lm_spells_it(caplog):
 def test_no_prefix_matching_and_close_names_suggested(caplog):
     config, lines = parse(RUN + SHAPE + ["--deepspeed"], caplog)
     assert config.parallel.deepspeed_config is None
-    assert "--deepspeed: always; DeepSpeed is the engine." in lines
+    assert (
+        "--deepspeed: always; DeepSpeed is the engine (and, as in Megatron-DeepSpeed, "
+        "--recompute-num-layers defaults to 1)." in lines
+    )
     message = refusal(RUN + SHAPE + ["--lr-decay-iter", "5", "--hiden-size", "3"])
     assert "--lr-decay-iter: unknown flag; did you mean --lr-decay-iters" in message
     assert "--hiden-size: unknown flag; did you mean --hidden-size" in message
@@ -163,6 +166,72 @@ def test_spellings_map_to_the_projects_flags(caplog):
     ]
     for flag in mapped:
         assert sum(line.startswith(flag + ":") for line in lines) == 1, flag
+
+
+@pytest.mark.parametrize(
+    ("flags", "recompute"),
+    [
+        # Megatron-DeepSpeed's older spelling: full and uniform, chunks of --checkpoint-num-layers
+        (["--checkpoint-activations"], ("full", "uniform", 1)),
+        (["--checkpoint-activations", "--checkpoint-num-layers", "2"], ("full", "uniform", 2)),
+        # it wins over the other recompute flags, as there; --recompute-num-layers over its own
+        (["--checkpoint-activations", "--recompute-activations"], ("full", "uniform", 1)),
+        (["--checkpoint-activations", "--recompute-num-layers", "2"], ("full", "uniform", 2)),
+        # its LLaMA-2 script: --recompute-num-layers is 1 by default under --deepspeed
+        (
+            [
+                "--deepspeed",
+                "--deepspeed-activation-checkpointing",
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+            ],
+            ("full", "uniform", 1),
+        ),  # fmt: skip
+        # DeepSpeed's checkpointing alone recomputes nothing, as in Megatron-DeepSpeed
+        (["--deepspeed-activation-checkpointing", "--partition-activations"], (None, None, None)),
+        (["--contigious-checkpointing", "--synchronize-each-layer"], (None, None, None)),
+        (["--no-pipeline-parallel"], (None, None, None)),
+    ],
+)
+def test_megatron_deepspeeds_recompute_flags(flags, recompute, caplog):
+    config, lines = parse(RUN + SHAPE + flags, caplog)
+    t = config.training
+    assert (t.recompute_granularity, t.recompute_method, t.recompute_num_layers) == recompute
+    for flag in (f for f in flags if f.startswith("--") and f[2:].replace("-", "_") in _MD):
+        assert sum(line.startswith(flag) for line in lines) == 1, (flag, lines)
+
+
+_MD = {
+    "checkpoint_activations",
+    "checkpoint_num_layers",
+    "deepspeed_activation_checkpointing",
+    "partition_activations",
+    "contigious_checkpointing",
+    "synchronize_each_layer",
+    "no_pipeline_parallel",
+}
+"""Megatron-DeepSpeed's activation-checkpointing flags: each says at start-up what it maps to."""
+
+
+def test_no_pipeline_parallel_with_pipeline_stages_is_refused():
+    argv = RUN + SHAPE + ["--no-pipeline-parallel", "--pipeline-model-parallel-size", "2"]
+    assert "--no-pipeline-parallel: contradicts --pipeline-model-parallel-size 2" in refusal(argv)
+
+
+def test_decoupled_lr_is_checked_as_a_learning_rate(caplog):
+    config, _ = parse(RUN + SHAPE + ["--decoupled-lr", "5e-4"], caplog)
+    assert (config.optimizer.decoupled_lr, config.optimizer.decoupled_min_lr) == (5e-4, None)
+    from megatron_tempnet.models.gpt.task import validate_gpt
+    from megatron_tempnet.trainer.config import ConfigError
+
+    bad = ["--decoupled-lr", "1e-5", "--min-lr", "2e-5", "--lr", "3e-4"]
+    with pytest.raises(ConfigError, match=r"--min-lr \(2e-05\) must be in \[0, --decoupled-lr"):
+        validate_gpt(parse(RUN + SHAPE + bad, caplog)[0], 1)
+    bad = ["--decoupled-lr", "1e-4", "--decoupled-min-lr", "2e-4"]
+    with pytest.raises(ConfigError, match=r"--decoupled-min-lr \(0.0002\) must be in"):
+        validate_gpt(parse(RUN + SHAPE + bad, caplog)[0], 1)
 
 
 def test_the_objective_default_is_said_and_use_tempnet_is_tempnets(caplog):

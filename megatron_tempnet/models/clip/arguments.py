@@ -23,7 +23,7 @@ from megatron_tempnet.utils.flags import add_flags, add_preset_flags, flag_value
 def build_clip_parser() -> FlagParser:
     p = FlagParser(
         description="Train a CLIP model with TempNet or a baseline loss.",
-        refused=run_flags.REFUSED,
+        refused={**run_flags.REFUSED, **run_flags.CLIP_REFUSED},
         refused_prefixes=run_flags.REFUSED_PREFIXES,
     )
     add_preset_flags(p, CLIPModelConfig, CLIP_PRESETS, "clip-tiny", "both towers' shapes")

@@ -20,7 +20,11 @@ from megatron_tempnet.models.gpt.checkpoint_args import (
 )
 from megatron_tempnet.models.gpt.config import PRESETS, ModelConfig
 from megatron_tempnet.models.gpt.objective import LossConfig
-from megatron_tempnet.models.gpt.task import GPTRunConfig, GPTTrainingConfig
+from megatron_tempnet.models.gpt.task import (
+    GPTOptimizerConfig,
+    GPTRunConfig,
+    GPTTrainingConfig,
+)
 from megatron_tempnet.tempnet.config import TEMPNET_FIELDS, TempNetConfig
 from megatron_tempnet.trainer import megatron_flags as run_flags
 from megatron_tempnet.trainer.arguments import add_run_flags, run_configs
@@ -42,7 +46,7 @@ def build_parser() -> FlagParser:
     add_flags(p, TokenizerConfig, "tokenizer")
     add_flags(p, LossConfig, "loss", exclude=TEMPNET_FIELDS)
     add_flags(p, TempNetConfig, "TempNet")
-    add_run_flags(p, training=GPTTrainingConfig)
+    add_run_flags(p, training=GPTTrainingConfig, optimizer=GPTOptimizerConfig)
     add_flags(p, megatron_flags.GPTSpellings, "other spellings of Megatron-LM and TempNet")
     add_flags(p, run_flags.RunSpellings, "accepted for Megatron-LM's launch scripts")
     p.add_fill(megatron_flags.infer_tokenizer)
@@ -58,7 +62,7 @@ def config_from_args(args: argparse.Namespace) -> GPTRunConfig:
     log_startup(_use_tempnet_start(args))
     log_startup(megatron_flags.model_notes(args, given) + run_flags.notes(args, given))
     model = _model(args)
-    run = run_configs(args, training=GPTTrainingConfig)
+    run = run_configs(args, training=GPTTrainingConfig, optimizer=GPTOptimizerConfig)
     data = from_flags(GPTDataConfig, args, seq_length=model.seq_length, seed=run["training"].seed)
     return GPTRunConfig(
         model=model,

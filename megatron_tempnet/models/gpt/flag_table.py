@@ -90,6 +90,12 @@ def markdown() -> str:
         "",
         ", ".join(f"`{flag}`" for flag in _same_name_flags()),
         "",
+        "`--tokenizer-type`'s values too: `SentencePieceTokenizer` adds Megatron-LM's `<CLS>`, "
+        "`<SEP>`, `<EOD>`, `<MASK>` (and pad, BOS, EOS pieces the model lacks) after the "
+        "model's ids, its end of document `<EOD>`; `GPTSentencePieceTokenizer` is the model's "
+        "own ids, its end of document the EOS piece; `Llama2Tokenizer` the same with a BOS "
+        "before every text. Data preprocessed by Megatron-LM trains here with the same ids.",
+        "",
         "## Other spellings",
         "",
         "Accepted for what this project computes anyway or under its own flag; the run's first "

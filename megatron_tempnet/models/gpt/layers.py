@@ -119,6 +119,11 @@ def stage_view(param: torch.Tensor) -> torch.Tensor:
     return param.view_as(param)
 
 
+EMBEDDING_OR_OUTPUT = "is_embedding_or_output_parameter"
+"""The attribute megatron-core sets on the word embeddings' and the output layer's weights (the
+weights --decoupled-lr applies to)."""
+
+
 class WordEmbedding(nn.Module):
     """Vocabulary-parallel word embeddings; with tied weights also the output layer.
 
@@ -130,6 +135,7 @@ class WordEmbedding(nn.Module):
     def __init__(self, config, vocab_size: int, tied: bool):
         super().__init__()
         self.word_embeddings = vocab_parallel_embedding(config, vocab_size)
+        setattr(self.word_embeddings.weight, EMBEDDING_OR_OUTPUT, True)
         self.output_layer = _output_layer(config, vocab_size, shared_weight=True) if tied else None
         self.sequence_parallel = config.sequence_parallel
 
@@ -188,6 +194,7 @@ class OutputLayer(nn.Module):
     def __init__(self, config, vocab_size: int, fused: bool = False):
         super().__init__()
         self.output_layer = _output_layer(config, vocab_size, shared_weight=False)
+        setattr(self.output_layer.weight, EMBEDDING_OR_OUTPUT, True)
         self.fused = fused
         self.sequence_parallel = config.sequence_parallel
 

@@ -3,8 +3,9 @@
 The LM and TempNet sit in one module the engine wraps (``TrainModule``; with pipeline
 parallelism this rank's stage, ``GPTPipeline``), so ZeRO shards both and checkpoints hold both.
 The optimizer groups are the LM's weights (with weight decay), the LM's biases and norms
-(without) and TempNet's (--tempnet-lr, --tempnet-weight-decay, on its own schedule); with
---freeze-lm the LM is in no group at all.
+(without), TempNet's (--tempnet-lr, --tempnet-weight-decay, on its own schedule) and, with
+--decoupled-lr, the input embedding and output layer's (Megatron-LM's decoupled learning rate);
+with --freeze-lm the LM is in no group at all.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from megatron_tempnet.distributed.groups import host_group
 from megatron_tempnet.distributed.sharding import TensorLayout
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.gpt.flops import flops_per_token
-from megatron_tempnet.models.gpt.layers import build_gpt_model
+from megatron_tempnet.models.gpt.layers import EMBEDDING_OR_OUTPUT, build_gpt_model
 from megatron_tempnet.models.gpt.objective import LossConfig, TrainModule
 from megatron_tempnet.models.gpt.step import evaluate, train_step
 from megatron_tempnet.models.recompute import Recompute
@@ -44,11 +45,17 @@ from megatron_tempnet.trainer.checkpoint_format import (
     latest_tag,
     read_train_state,
 )
-from megatron_tempnet.trainer.config import ConfigError, RunConfig, TrainingConfig
+from megatron_tempnet.trainer.config import (
+    ConfigError,
+    OptimizerConfig,
+    RunConfig,
+    TrainingConfig,
+)
 from megatron_tempnet.trainer.engine import model_and_own_groups
 from megatron_tempnet.trainer.step import step_max_grad_norm
 from megatron_tempnet.trainer.task import ParamGroup, TaskData, TrainModel
 from megatron_tempnet.trainer.validation import validate_run
+from megatron_tempnet.utils.logging import log_rank0, warn_rank0
 
 
 @dataclass
@@ -58,6 +65,16 @@ class GPTTrainingConfig(TrainingConfig):
     learns."""
 
 
+@dataclass
+class GPTOptimizerConfig(OptimizerConfig):
+    decoupled_lr: float | None = None
+    """A separate peak learning rate for the input embedding and the output layer (Megatron-LM's
+    ``is_embedding_or_output_parameter`` weights: the word embeddings, and the output layer when
+    untied), on the same warm-up and decay as --lr."""
+    decoupled_min_lr: float | None = None
+    """With --decoupled-lr: the floor of the decay for those weights (default: --min-lr)."""
+
+
 @dataclass(kw_only=True)
 class GPTRunConfig(RunConfig):
     model: ModelConfig
@@ -65,6 +82,23 @@ class GPTRunConfig(RunConfig):
     data: GPTDataConfig
     tokenizer: TokenizerConfig
     training: GPTTrainingConfig
+    optimizer: GPTOptimizerConfig = field(default_factory=GPTOptimizerConfig)
+
+
+def _validate_decoupled(config: GPTRunConfig) -> None:
+    o = config.optimizer
+    if o.decoupled_lr is None:
+        if o.decoupled_min_lr is not None:
+            warn_rank0("--decoupled-min-lr has no effect without --decoupled-lr (as Megatron-LM)")
+        return
+    if o.decoupled_lr < 0:
+        raise ConfigError(f"--decoupled-lr ({o.decoupled_lr}) must be >= 0")
+    floor = o.min_lr if o.decoupled_min_lr is None else o.decoupled_min_lr
+    if not 0 <= floor <= o.decoupled_lr:
+        flag = "--min-lr" if o.decoupled_min_lr is None else "--decoupled-min-lr"
+        raise ConfigError(f"{flag} ({floor}) must be in [0, --decoupled-lr ({o.decoupled_lr})]")
+    if config.training.freeze_lm:
+        warn_rank0("--decoupled-lr has no effect with --freeze-lm (the LM's weights do not learn)")
 
 
 def validate_gpt(config: GPTRunConfig, world_size: int) -> None:
@@ -85,6 +119,7 @@ def validate_gpt(config: GPTRunConfig, world_size: int) -> None:
         raise ConfigError("--freeze-lm and --no-tempnet-stop-grad contradict each other")
     loss.validate()
     loss.resolve_optimizer(config.optimizer.lr, config.optimizer.weight_decay)
+    _validate_decoupled(config)
     config.model.validate(config.parallel.tensor_model_parallel_size)
     tp = config.parallel.tensor_model_parallel_size
     if config.parallel.sequence_parallel and config.model.seq_length % tp:
@@ -209,6 +244,9 @@ class GPTTask:
     def build_model(self, config: GPTRunConfig, data: TaskData) -> TrainModel:
         """The LM (and TempNet) with the same initial weights whatever the parallel layout."""
         tp_group = parallel_state.get_tensor_model_parallel_group()
+        recompute = Recompute.from_training(config.training).describe()
+        if recompute:
+            log_rank0("activation recomputation: %s", recompute)
         if config.parallel.pipeline_model_parallel_size > 1:
             module = self._pipeline_stage(config, tp_group)
         else:
@@ -290,7 +328,13 @@ class GPTTask:
             tempnet_params = [module.group_placeholder("tempnet")]
         own = {"tempnet": (tempnet_params, t.tempnet_lr, t.tempnet_weight_decay)}
         constant = frozenset({"tempnet"} if t.tempnet_constant_lr else ())
-        return model_and_own_groups(module, config.optimizer, "lm", own, constant)
+        o, floors = config.optimizer, {}
+        if o.decoupled_lr is not None and not config.training.freeze_lm:
+            ends = [p for p in module.parameters() if getattr(p, EMBEDDING_OR_OUTPUT, False)]
+            own["decoupled"] = (ends or [module.group_placeholder("decoupled")],
+                                o.decoupled_lr, o.weight_decay)  # fmt: skip
+            floors["decoupled"] = o.min_lr if o.decoupled_min_lr is None else o.decoupled_min_lr
+        return model_and_own_groups(module, o, "lm", own, constant, floors)
 
     def build_step(self, engine, optimizer, config: GPTRunConfig, data: TaskData):
         """``step(batches) -> (stats, grad_norm)`` for this layout (one process or a pipeline)."""
