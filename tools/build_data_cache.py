@@ -18,10 +18,11 @@ import argparse
 import os
 import sys
 
-from megatron_tempnet.data.gpt_data import GPTDataConfig, build_gpt_datasets, num_samples
+from megatron_tempnet.data.gpt_data import GPTDataConfig, build_gpt_datasets, split_samples
 from megatron_tempnet.data.loader import DataConfigError, dataset_fingerprint
 from megatron_tempnet.data.tokenizers import TokenizerConfig
-from megatron_tempnet.trainer.config import TrainingConfig
+from megatron_tempnet.trainer.config import ConfigError, TrainingConfig
+from megatron_tempnet.trainer.schedule import validate_rampup
 from megatron_tempnet.utils.cli import run_tool
 from megatron_tempnet.utils.flags import add_flags, from_flags
 
@@ -31,12 +32,39 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, GPTDataConfig, "data")
     add_flags(p, TokenizerConfig, "tokenizer")
     g = p.add_argument_group("samples needed (pretrain_gpt.py's flags, with its defaults)")
-    g.add_argument("--train-iters", type=int, required=True, help="the run's --train-iters")
+    g.add_argument("--train-iters", type=int, help="the run's --train-iters (or --train-samples)")
+    g.add_argument("--train-samples", type=int, help="the run's --train-samples")
     g.add_argument("--global-batch-size", type=int, required=True, help="the run's batch")
+    g.add_argument(
+        "--rampup-batch-size", type=int, nargs=3, metavar="N", help="the run's batch ramp"
+    )
     t, same = TrainingConfig, "the run's (default: %(default)s)"
     g.add_argument("--eval-interval", type=int, default=t.eval_interval, help=same)
     g.add_argument("--eval-iters", type=int, default=t.eval_iters, help=same)
     return p
+
+
+def training_config(args: argparse.Namespace) -> TrainingConfig:
+    """The run's training flags that decide how many samples each split needs, checked."""
+    if (args.train_iters is None) == (args.train_samples is None):
+        raise DataConfigError("give one of --train-iters and --train-samples (the run's)")
+    for flag in ("train_iters", "train_samples", "global_batch_size", "eval_iters"):
+        value = getattr(args, flag)
+        if value is not None and (value < 0 or (flag != "eval_iters" and value == 0)):
+            raise DataConfigError(f"--{flag.replace('_', '-')} ({value}) is invalid")
+    training = TrainingConfig(
+        train_iters=args.train_iters,
+        train_samples=args.train_samples,
+        global_batch_size=args.global_batch_size,
+        rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
+        eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters,
+    )
+    try:
+        validate_rampup(training, 1)
+    except ConfigError as e:
+        raise DataConfigError(str(e)) from None
+    return training
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,13 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.data_cache_path:
         raise DataConfigError("--data-cache-path is required: it is where the cache is built")
-    for flag in ("train_iters", "global_batch_size", "eval_iters"):
-        if getattr(args, flag) < 0 or (flag != "eval_iters" and getattr(args, flag) == 0):
-            raise DataConfigError(f"--{flag.replace('_', '-')} ({getattr(args, flag)}) is invalid")
+    sizes = split_samples(training_config(args))
     tokenizer = from_flags(TokenizerConfig, args).build()
-    sizes = num_samples(
-        args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters
-    )
     datasets = build_gpt_datasets(from_flags(GPTDataConfig, args), tokenizer, sizes)
     for name, size, ds in zip(("train", "valid", "test"), sizes, datasets):
         if ds is None:

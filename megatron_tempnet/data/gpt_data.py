@@ -144,6 +144,16 @@ def num_samples(
     ]
 
 
+def split_samples(training) -> list[int]:
+    """[train, valid, test] samples a run with these training flags (a ``TrainingConfig`` with
+    its global batch filled) reads: ``num_samples`` of its iterations, the training split's from
+    --train-samples and the batch ramp (``train_samples_needed``)."""
+    t = training
+    sizes = num_samples(t.iterations, t.global_batch_size, t.eval_interval, t.eval_iters)
+    sizes[0] = t.train_samples_needed()
+    return sizes
+
+
 def build_gpt_datasets(
     config: GPTDataConfig,
     tokenizer,

@@ -151,12 +151,12 @@ def validate_schedule(o, t, dp: int) -> None:
     """The checks of the run's length, batch ramp and learning-rate flags (an
     ``OptimizerConfig`` and a ``TrainingConfig`` whose global batch is filled, ``dp``
     data-parallel ranks); fills the decay length (--lr-decay-iters or --lr-decay-samples)."""
-    _validate_rampup(t, dp)
+    validate_rampup(t, dp)
     _validate_length(o, t)
     _validate_lr(o, t)
 
 
-def _validate_rampup(t, dp: int) -> None:
+def validate_rampup(t, dp: int) -> None:
     """--rampup-batch-size START INCREMENT SAMPLES: every batch of the ramp must be whole
     micro-batches on every data-parallel rank."""
     if t.rampup_batch_size is None:

@@ -483,14 +483,20 @@ def test_a_prebuilt_data_cache_is_what_training_loads(corpus, tmp_path):
         "--data-cache-path",
         str(cache),
     ]
-    batch = ["--train-iters", "10", "--global-batch-size", "8", "--eval-interval", "5"]
+    # a length in samples and a batch ramp (4, then 8 after 16 samples): 11 iterations
+    ramp = ["--rampup-batch-size", "4", "4", "16"]
+    batch = ["--train-samples", "72", "--global-batch-size", "8", "--eval-interval", "5", *ramp]
     tool = os.path.join(REPO, "tools", "build_data_cache.py")
     r = run_command([sys.executable, tool, *data, *batch])
     assert r.returncode == 0, r.stderr
+    assert "train: " in r.stdout and "(needs 72)" in r.stdout
     before = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
     # the same flags (defaults included) in pretrain_gpt.py: its start-up only reads the cache
-    _pretrain(0, _args(corpus, tmp_path, **{"eval-iters": None, "seed": None}))
+    same = {"eval-iters": None, "seed": None, "train-iters": None, "train-samples": 72}
+    _pretrain(0, _args(corpus, tmp_path, **same) + ramp)
     assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == before
+    r = run_command([sys.executable, tool, *data, *batch, "--train-iters", "11"])
+    assert r.returncode == 1 and "give one of --train-iters and --train-samples" in r.stderr
 
 
 def test_setting_iii_tempnet_on_an_lm_only_checkpoint_in_float32_and_bf16(corpus, tmp_path):

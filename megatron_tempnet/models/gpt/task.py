@@ -21,8 +21,8 @@ from megatron_tempnet.data.gpt_data import (
     GPTDataConfig,
     build_gpt_datasets,
     check_data_source,
-    num_samples,
     parse_blend,
+    split_samples,
 )
 from megatron_tempnet.data.loader import DataState, ResumableLoader, dataset_fingerprint
 from megatron_tempnet.data.tokenizer_sidecar import check_tokenizer
@@ -233,8 +233,7 @@ class GPTTask:
 
     def build_data(self, config: GPTRunConfig, tokenizer) -> TaskData:
         t = config.training
-        sizes = num_samples(t.iterations, t.global_batch_size, t.eval_interval, t.eval_iters)
-        sizes[0] = t.train_samples_needed()  # --train-samples, --rampup-batch-size
+        sizes = split_samples(t)  # --train-samples and --rampup-batch-size included
         # an id the tokenizer cannot produce, or the embedding has no true row for, is wrong data
         vocab = min(tokenizer.vocab_size, config.model.vocab_size)
         # the other ranks wait for rank 0's scan of the data in the host group (its timeout)
