@@ -13,8 +13,9 @@ What the format says, and what is done with it:
   dequantised, are ``[out, in]``, HF's orientation (checked against the expected shapes).
 - Names: ``token_embd``, ``output_norm``, ``output`` (absent: the embedding is tied), and per
   layer ``blk.{i}.`` ``attn_norm``, ``attn_q``, ``attn_k``, ``attn_v``, ``attn_output``,
-  ``ffn_norm``, ``ffn_gate``, ``ffn_up``, ``ffn_down``. Any other tensor (biases, ``rope_freqs``,
-  experts) is a computation the model here would miss: the file is refused, naming it.
+  ``ffn_norm``, ``ffn_gate``, ``ffn_up``, ``ffn_down``, and ``rope_freqs`` (below). Any other
+  tensor (biases, experts) is a computation the model here would miss: the file is refused,
+  naming it.
 - RoPE: HF's LLaMA rotates the two halves of a head: row ``j * d/2 + i`` of a q or k head is
   component ``j`` (0 or 1) of frequency ``i``. llama.cpp rotates adjacent pairs, and its converter
   moves that row to ``2 i + j``. ``unpermute_rows`` moves it back (q with the query heads, k with
@@ -25,6 +26,10 @@ What the format says, and what is done with it:
   ``attention.key_length`` (a head size other than hidden / heads, refused), ``rope.scaling.type``
   (any, refused by ``model_config_from_hf``), ``expert_count`` (refused). The vocabulary size is
   the embedding's row count.
+- LLaMA-3.1/3.2's RoPE scaling: llama.cpp stores it only as the ``rope_freqs`` table, what each
+  frequency is divided by. ``llama3_rope_scaling`` recovers the parameters from it (exactly up
+  to a common scale the frequencies do not depend on; ``rope.scaling.original_context_length``
+  fixes it when present) and checks them against every factor; any other table is refused.
 - Quantisation: every type ``gguf.quants`` dequantises (F32, F16, BF16, Q4_0 ... Q8_0, the
   K-quants, the IQ types); another (Q8_1, Q8_K, integers) is refused naming the tensor and type.
 - The tokenizer (``tokenizer.ggml.*``) is rebuilt by transformers and saved as an HF tokenizer
@@ -57,10 +62,61 @@ _HF_LAYER = {
     "ffn_down": "mlp.down_proj",
 }
 """GGUF's ``blk.{i}.{key}.weight`` -> HF's ``model.layers.{i}.{value}.weight``."""
-_EXPLAINED = {
-    "rope_freqs.weight": "per-frequency RoPE factors (LLaMA-3.1-style scaling), which the file "
-    "stores without the scaling's parameters",
-}
+_EXPLAINED: dict[str, str] = {}
+
+
+def llama3_rope_scaling(
+    factors: np.ndarray, theta: float, original: float | None = None
+) -> dict | None:
+    """HF's ``rope_scaling`` of LLaMA-3.1's kind from llama.cpp's ``rope_freqs`` table (what
+    each of the ``dim / 2`` RoPE frequencies ``theta ** (-2 i / dim)`` is divided by); None when
+    every factor is 1. Raises ``ValueError`` for a table that is not that scaling.
+
+    LLaMA-3's rule divides the frequencies whose wavelength is above ``original / low`` by
+    ``factor``, keeps those below ``original / high`` and, between, divides by ``r`` with
+    ``1 / r = (1 - s) / factor + s`` and ``s = (original / wavelength - low) / (high - low)``:
+    ``s`` is linear in ``1 / wavelength``, so two or more factors between 1 and ``factor`` give
+    its slope and intercept, which fix the parameters up to one common scale (the frequencies do
+    not depend on it): ``original`` from the file's original context length when given, else
+    ``low = 1`` (LLaMA-3.1 and 3.2's). The parameters found are checked against every factor."""
+    r = np.asarray(factors, dtype=np.float64)
+    dim = 2 * len(r)
+    inv_wavelength = theta ** (-np.arange(0, dim, 2) / dim) / (2 * np.pi)
+    factor = float(r.max())
+    if np.allclose(r, 1.0, rtol=0, atol=1e-6):
+        return None
+    between = (r > 1 + 1e-6) & (r < factor * (1 - 1e-6))
+    if between.sum() < 2 or r.min() < 1 - 1e-6:
+        raise ValueError(
+            "its factors are not LLaMA-3's scaling (too few between 1 and the largest)"
+        )
+    smooth = (1 / r[between] - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(inv_wavelength[between], smooth, 1)  # s = slope x + intercept
+    if not (slope > 0 and intercept < 0):
+        raise ValueError("its factors are not LLaMA-3's scaling")
+    if original is None:
+        low = 1.0
+        original = -slope / intercept * low
+        if abs(original - round(original)) < 1e-3 * original:
+            original = float(round(original))
+    width = original / slope  # high - low
+    low = -intercept * width
+    exact = {"factor": factor, "low_freq_factor": low, "high_freq_factor": low + width}
+    exact["original_max_position_embeddings"] = original
+    short = {k: float(f"{v:.6g}") for k, v in exact.items()}  # the float32 table's precision
+    for params in (short, exact):
+        if np.allclose(llama3_factors(params, theta, dim), r, rtol=1e-5, atol=0):
+            return {"rope_type": "llama3", **{k: float(v) for k, v in params.items()}}
+    raise ValueError(f"its factors are not LLaMA-3's scaling (nearest: {short})")
+
+
+def llama3_factors(params: dict, theta: float, dim: int) -> np.ndarray:
+    """What LLaMA-3's scaling with ``params`` (HF's names) divides each frequency by."""
+    wavelength = 2 * np.pi * theta ** (np.arange(0, dim, 2) / dim)
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    original = params["original_max_position_embeddings"]
+    smooth = np.clip((original / wavelength - low) / (high - low), 0.0, 1.0)
+    return 1 / ((1 - smooth) / factor + smooth)
 
 
 def unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -166,7 +222,11 @@ class GGUFWeights:
         if rotary is not None and rotary != head_dim:
             config["partial_rotary_factor"] = rotary / head_dim
         scaling = self._one("llama.rope.scaling.type", "none")
-        if scaling != "none":
+        if "rope_freqs.weight" in self._tensors and scaling == "none":
+            config["rope_scaling"] = self._rope_freqs(config["rope_theta"])
+            if config["rope_scaling"] is None:
+                del config["rope_scaling"]
+        elif scaling != "none":
             factor = self._one("llama.rope.scaling.factor", None)
             config["rope_scaling"] = {"rope_type": scaling, "factor": factor}
         elif self._one("llama.rope.scale_linear", 1.0) != 1.0:  # the older spelling
@@ -177,6 +237,15 @@ class GGUFWeights:
             if token is not None:
                 config["pad_token_id" if name == "padding" else f"{name}_token_id"] = token
         return config
+
+    def _rope_freqs(self, theta: float) -> dict | None:
+        """LLaMA-3's RoPE scaling from the ``rope_freqs`` table llama.cpp stores for it."""
+        table = self._read("rope_freqs.weight").reshape(-1).double().numpy()
+        original = self._one("llama.rope.scaling.original_context_length", None)
+        try:
+            return llama3_rope_scaling(table, theta, original)
+        except ValueError as e:
+            raise CheckpointError(f"{self.flag}: tensor rope_freqs.weight: {e}") from None
 
     # -- tensors -----------------------------------------------------------------------------
 
@@ -211,7 +280,7 @@ class GGUFWeights:
         """Refuse, before anything is written: a missing, unexpected or misshapen tensor, and a
         quantisation type ``gguf.quants`` cannot dequantise."""
         wanted = set(self._hf_names.values())
-        for name in self._tensors.keys() - wanted:
+        for name in self._tensors.keys() - wanted - {"rope_freqs.weight"}:
             why = _EXPLAINED.get(name, "not part of the LLaMA model imported here")
             raise CheckpointError(f"{self.flag}: tensor {name} ({why}) is not supported")
         shapes = self._expected_shapes()

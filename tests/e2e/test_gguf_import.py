@@ -311,10 +311,11 @@ def test_what_the_model_does_not_compute_is_refused(converted, tmp_path, monkeyp
     )
     write_gguf(path, "mha", vocabulary, drop=["blk.1.ffn_up.weight"])
     assert _refused(tmp_path, "--gguf", path) == f"--gguf {path}: no tensor blk.1.ffn_up.weight"
-    freqs = (np.ones(HIDDEN // HEADS // 2, dtype=np.float32), Q.F32)
+    freqs = (np.full(HIDDEN // HEADS // 2, 2.0, dtype=np.float32), Q.F32)  # not LLaMA-3's
     write_gguf(path, "mha", vocabulary, extra={"rope_freqs.weight": freqs})
-    assert _refused(tmp_path, "--gguf", path).startswith(
-        f"--gguf {path}: tensor rope_freqs.weight (per-frequency RoPE factors"
+    assert _refused(tmp_path, "--gguf", path) == (
+        f"--gguf {path}: tensor rope_freqs.weight: its factors are not LLaMA-3's scaling (too "
+        "few between 1 and the largest)"
     )
     write_gguf(path, "mha", vocabulary, scaling=gguf.RopeScalingType.LINEAR)
     assert _refused(tmp_path, "--gguf", path).startswith(
@@ -328,6 +329,46 @@ def test_what_the_model_does_not_compute_is_refused(converted, tmp_path, monkeyp
     assert _refused(tmp_path, "--gguf", path) == (
         f"--gguf {path}: reading GGUF files needs the `gguf` package: pip install -e '.[gguf]'"
     )
+
+
+LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+LLAMA3["original_max_position_embeddings"] = 32.0  # 4 of the 32 frequencies in between
+
+
+def test_a_llama3_rope_freqs_table_gives_transformers_llama3_logits(converted, tmp_path):
+    """A LLaMA-3.1-shaped file: RoPE scaling stored only as llama.cpp's ``rope_freqs`` table
+    (here transformers' own llama3 frequencies over the plain ones). The import recovers the
+    parameters, and the logits are transformers' with that scaling, far from those without."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from megatron_tempnet.inference.gguf_weights import GGUFWeights
+
+    d, theta = HIDDEN // HEADS, 1e5
+    rope = {"rope_type": "llama3", "rope_theta": theta, **LLAMA3}
+    config = LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, rope_parameters=rope)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    plain = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+    table = (plain / scaled).numpy().astype(np.float32)
+    path = write_gguf(tmp_path / "llama31.gguf", "gqa", converted["vocabulary"],
+                      extra={"rope_freqs.weight": (table, Q.F32)})  # fmt: skip
+    assert GGUFWeights(path).config["rope_scaling"] == {"rope_type": "llama3", **LLAMA3}
+    ckpt = str(tmp_path / "ckpt")
+    assert tool().main(["--gguf", path, "--save", ckpt]) == 0
+    tokens = torch.randint(0, len(converted["vocabulary"][0]), (2, 24),
+                           generator=torch.Generator().manual_seed(3))  # fmt: skip
+    ours = our_logits([ckpt], tokens, 1)[0][0]
+    directory, name = os.path.split(path)
+    hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    hf.config.rope_parameters = rope
+    hf.model.rotary_emb = LlamaRotaryEmbedding(config=hf.config)
+    with torch.no_grad():
+        reference = hf.eval()(tokens).logits
+    error, size = _max_error(ours, reference)
+    assert size > 1.0 and error <= 1e-5 * size, (error, size)
+    unscaled, _ = _max_error(ours, converted["hf"]["gqa"])  # the same weights, no scaling
+    assert unscaled > 1e-2 * size, (unscaled, size)
 
 
 def _decode_blocks(raw: np.ndarray, qtype) -> np.ndarray:
