@@ -227,16 +227,14 @@ class SentencePieceTokenizer(_SentencePieceModel):
         return TokenizerIdentity("SentencePieceTokenizer", self.vocab_size, self.files_sha256)
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        plain = [i for i, t in enumerate(texts) if not self._specials.search(t)]
-        out: list[list[int]] = [[] for _ in texts]
-        for i, ids in zip(plain, super().tokenize_batch([texts[i] for i in plain])):
-            out[i] = ids
-        for i in sorted(set(range(len(texts))) - set(plain)):
-            parts = self._specials.split(texts[i])  # text, token, text, token, ..., text
-            ids = []
-            for j, part in enumerate(parts):
-                ids += [self.special_ids[part]] if j % 2 else self._sp.encode(part)
-            out[i] = ids
+        out = super().tokenize_batch(texts)  # right for every text without a special token
+        for i, text in enumerate(texts):
+            if self._specials.search(text):
+                parts = self._specials.split(text)  # text, token, text, token, ..., text
+                out[i] = [
+                    token for j, part in enumerate(parts) for token in
+                    ([self.special_ids[part]] if j % 2 else self._sp.encode(part))
+                ]  # fmt: skip
         return out
 
     def detokenize(self, ids: Sequence[int]) -> str:

@@ -6,7 +6,12 @@ import argparse
 
 import torch
 
-from megatron_tempnet.data.tokenizers import TokenizerConfig, TokenizerError, build_tokenizer
+from megatron_tempnet.data.tokenizers import (
+    SentencePieceTokenizer,
+    TokenizerConfig,
+    TokenizerError,
+    build_tokenizer,
+)
 from megatron_tempnet.inference.model import (
     InferenceError,
     InferenceModel,
@@ -77,7 +82,7 @@ def load_from_args(
         tokenizer = build_tokenizer(**spec)
     if tokenizer.vocab_size > model.vocab_size:
         hint = ""
-        if type(tokenizer).__name__ == "SentencePieceTokenizer":
+        if isinstance(tokenizer, SentencePieceTokenizer):
             hint = (
                 " (SentencePieceTokenizer adds Megatron-LM's special tokens to the model's: "
                 "for the model's own ids give --tokenizer-type GPTSentencePieceTokenizer)"

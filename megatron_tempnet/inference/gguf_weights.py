@@ -62,7 +62,6 @@ _HF_LAYER = {
     "ffn_down": "mlp.down_proj",
 }
 """GGUF's ``blk.{i}.{key}.weight`` -> HF's ``model.layers.{i}.{value}.weight``."""
-_EXPLAINED: dict[str, str] = {}
 
 
 def llama3_rope_scaling(
@@ -280,9 +279,11 @@ class GGUFWeights:
         """Refuse, before anything is written: a missing, unexpected or misshapen tensor, and a
         quantisation type ``gguf.quants`` cannot dequantise."""
         wanted = set(self._hf_names.values())
-        for name in self._tensors.keys() - wanted - {"rope_freqs.weight"}:
-            why = _EXPLAINED.get(name, "not part of the LLaMA model imported here")
-            raise CheckpointError(f"{self.flag}: tensor {name} ({why}) is not supported")
+        for name in self._tensors.keys() - wanted - {"rope_freqs.weight"}:  # read in config
+            raise CheckpointError(
+                f"{self.flag}: tensor {name} (not part of the LLaMA model imported here) is not "
+                "supported"
+            )
         shapes = self._expected_shapes()
         readable: dict = {}
         for name in sorted(wanted):
