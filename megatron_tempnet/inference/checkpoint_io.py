@@ -26,6 +26,7 @@ from megatron_tempnet.trainer.checkpoint_format import (
     WEIGHTS_ONLY,
     CheckpointError,
     checkpoint_dir,
+    latest_tag,
     mark_complete,
     publish_latest,
     read_train_state,
@@ -115,6 +116,19 @@ class CheckpointReader:
             for k in self._names
             if k.startswith(TEMPNET_PREFIX)
         }
+
+
+def open_reader(load_dir: str, flag: str = "--load", *, vocab_size: int | None = None):
+    """A reader of ``load_dir``'s newest checkpoint: this project's (``CheckpointReader``), or
+    Megatron-LM's (``models.gpt.megatron_lm``: torch_dist or legacy torch; ``vocab_size``, the
+    tokenizer's, default the one its args name), with the same methods."""
+    if os.path.isdir(load_dir) and latest_tag(load_dir) is None:
+        from megatron_tempnet.models.gpt import megatron_lm
+
+        found = megatron_lm.open_checkpoint(load_dir, f"{flag} {load_dir}", vocab_size)
+        if found is not None:
+            return found
+    return CheckpointReader(load_dir, flag)
 
 
 def read_config(directory: str, source: str) -> dict:

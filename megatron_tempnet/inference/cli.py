@@ -62,6 +62,7 @@ def load_from_args(
     if args.fixed_tau is not None and not args.fixed_tau > 0:
         raise InferenceError(f"--fixed-tau ({args.fixed_tau}) must be > 0")
     init_inference(args.tensor_model_parallel_size)
+    tokenizer = from_flags(TokenizerConfig, args).build() if args.tokenizer_type else None
     model = load_inference_model(
         args.load,
         pretrained_checkpoint=args.pretrained_checkpoint,
@@ -69,10 +70,9 @@ def load_from_args(
         tau_max_eval=args.tau_max_eval,
         dtype=torch.bfloat16 if args.bf16 else torch.float32,
         attention_backend=args.attention_backend,
+        vocab_size=tokenizer.vocab_size if tokenizer else None,
     )
-    if args.tokenizer_type:
-        tokenizer = from_flags(TokenizerConfig, args).build()
-    else:
+    if tokenizer is None:
         spec = model.config.get("tokenizer")
         if not spec:
             raise TokenizerError(

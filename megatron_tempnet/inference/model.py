@@ -18,7 +18,7 @@ from megatron.core import parallel_state
 
 from megatron_tempnet.distributed.groups import resolve_tp_group
 from megatron_tempnet.distributed.sharding import shard
-from megatron_tempnet.inference.checkpoint_io import CheckpointReader, lm_names
+from megatron_tempnet.inference.checkpoint_io import CheckpointReader, lm_names, open_reader
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.tempnet import TempNetLM
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError
@@ -135,19 +135,22 @@ def load_inference_model(
     tau_max_eval: float | None = None,
     dtype: torch.dtype = torch.float32,
     attention_backend: str = "auto",
+    vocab_size: int | None = None,
 ) -> InferenceModel:
     """The model of ``load_dir`` at the current TP size (``init_inference`` first), its
     attention on ``attention_backend`` (``--attention-backend``).
 
     A frozen-LM run's checkpoint holds TempNet only: the LM then comes from
-    ``pretrained_checkpoint`` (default: the one that run was started with).
+    ``pretrained_checkpoint`` (default: the one that run was started with). A Megatron-LM
+    checkpoint (torch_dist or torch) loads too; ``vocab_size``: its tokenizer's (default: the
+    one its saved args name).
     """
     from megatron_tempnet.models.gpt.layers import build_gpt_model
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_group = parallel_state.get_tensor_model_parallel_group()
     rank = parallel_state.get_tensor_model_parallel_rank()
-    reader = CheckpointReader(load_dir)
+    reader = open_reader(load_dir, vocab_size=vocab_size)
     lm_reader = reader
     if not reader.has_lm():
         saved = reader.config.get("checkpoint", {})
@@ -156,7 +159,7 @@ def load_inference_model(
             raise CheckpointError(
                 f"--load {load_dir}: holds TempNet without the LM: add --pretrained-checkpoint"
             )
-        lm_reader = CheckpointReader(source, "--pretrained-checkpoint")
+        lm_reader = open_reader(source, "--pretrained-checkpoint", vocab_size=vocab_size)
     # megatron-core's torch.compile'd bias fusions compute what the plain ops do; at one token
     # per step their guard checks cost more than they save (4.7 ms of 44 per token, 100M LLaMA)
     model = dataclasses.replace(

@@ -93,3 +93,73 @@ def load_file(path: str, map_location="cpu", *, mmap: bool = False):
         ) from None
     except (OSError, RuntimeError, EOFError, ValueError) as e:
         raise CheckpointError(f"{describe_error(path, e)}: the file cannot be read") from None
+
+
+class Opaque:
+    """A value of a class that ``load_foreign_file`` does not load (a Megatron-LM enum in its
+    saved arguments, NumPy's RNG state): its class name and arguments, nothing of its code."""
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+
+    def __setstate__(self, state) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__module__}.{type(self).__name__}>"
+
+
+_FOREIGN_CLASSES = {
+    ("collections", "OrderedDict"),
+    ("argparse", "Namespace"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("_codecs", "encode"),
+    ("torch", "Size"),
+    ("torch", "device"),
+}
+
+
+class _ForeignUnpickler(pickle.Unpickler):
+    """Builds tensors, containers and ``argparse.Namespace``; any other class becomes an
+    ``Opaque`` placeholder, so no code from the file runs."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _FOREIGN_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch._utils" and name.startswith("_rebuild_"):
+            return super().find_class(module, name)
+        if module == "torch._tensor" and name == "_rebuild_from_type_v2":
+            return super().find_class(module, name)
+        if module == "torch" and (name.endswith("Storage") or name in _DTYPES):
+            return super().find_class(module, name)
+        return type(name, (Opaque,), {"__module__": module})
+
+
+_DTYPES = {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
+
+
+class _ForeignPickle:
+    """The ``pickle_module`` ``load_foreign_file`` gives ``torch.load``."""
+
+    Unpickler = _ForeignUnpickler
+    __name__ = "megatron_tempnet_foreign_pickle"
+
+    @staticmethod
+    def load(file, **kwargs):
+        return _ForeignUnpickler(file, **kwargs).load()
+
+
+def load_foreign_file(path: str, *, mmap: bool = False):
+    """A file another framework pickled (Megatron-LM's ``model_optim_rng.pt`` and
+    ``common.pt``, whose ``args`` is an ``argparse.Namespace`` that may hold its enums):
+    tensors, containers, numbers, strings and namespaces are loaded; every other class becomes
+    an ``Opaque`` placeholder, and nothing from the file runs. A ``CheckpointError`` names
+    ``path`` when it cannot be read."""
+    try:
+        return torch.load(
+            path, map_location="cpu", mmap=mmap, weights_only=False, pickle_module=_ForeignPickle
+        )
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"{describe_error(path, e)}: the file cannot be read") from None

@@ -1,0 +1,207 @@
+"""Megatron-LM checkpoints written in a test, as Megatron-LM's ``save_checkpoint`` lays them out.
+
+No Megatron-LM checkout is available: the model is megatron-core's own ``GPTModel`` (local layer
+spec) at the calling ranks' TP x PP, its weights saved
+
+- ``torch_dist``: ``dist_checkpointing.save`` of ``{"model": sharded_state_dict, "args": ...,
+  "iteration": ..., "checkpoint_version": 3.0}`` into ``iter_XXXXXXX/`` (megatron-core writes
+  ``.metadata``, ``__*.distcp``, ``common.pt`` and ``metadata.json``);
+- ``torch`` (legacy): every rank's ``state_dict`` in ``iter_XXXXXXX/mp_rank_TT[_PPP]/
+  model_optim_rng.pt``, optionally under Transformer Engine's names (the norms fused into
+  ``linear_qkv``/``linear_fc1``, as the TE layer spec names them);
+
+and ``latest_checkpointed_iteration.txt`` beside. megatron-core's torch_dist writer calls
+``torch.cuda.synchronize()`` and makes a tensor on ``torch.cuda.current_device()``: on CPU both
+are stood in for while it writes (``cuda_stand_ins``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import os
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+ITERATION = 40
+TE_NORMS = {
+    ".input_layernorm.": ".self_attention.linear_qkv.layer_norm_",
+    ".pre_mlp_layernorm.": ".mlp.linear_fc1.layer_norm_",
+}
+
+
+def megatron_args(model, *, tp: int, pp: int, vocab_size: int) -> argparse.Namespace:
+    """The args Megatron-LM saves for ``model`` (a ``ModelConfig``), NullTokenizer of
+    ``vocab_size`` (its ids: ``vocab_size + 1``)."""
+    return argparse.Namespace(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        group_query_attention=model.num_query_groups is not None,
+        num_query_groups=model.num_query_groups or 1,
+        kv_channels=model.hidden_size // model.num_attention_heads,
+        seq_length=model.seq_length,
+        max_position_embeddings=model.max_position_embeddings,
+        position_embedding_type=model.position_embedding_type,
+        rotary_base=model.rotary_base,
+        rotary_percent=1.0,
+        rotary_interleaved=False,
+        use_rope_scaling=model.use_rope_scaling,
+        rope_scaling_factor=model.rope_scaling_factor,
+        normalization=model.normalization,
+        norm_epsilon=model.norm_epsilon,
+        apply_layernorm_1p=model.apply_layernorm_1p,
+        swiglu=model.swiglu,
+        openai_gelu=model.openai_gelu,
+        squared_relu=False,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=False,
+        untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        init_method_std=model.init_method_std,
+        make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
+        padded_vocab_size=model.padded_vocab_size(tp),
+        tokenizer_type="NullTokenizer",
+        vocab_size=vocab_size,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        transformer_impl="local",
+        num_experts=None,
+        params_dtype=torch.float32,
+        spec=None,
+    )
+
+
+def build_gpt_model(model, *, tp: int, pp: int, seed: int = 11):
+    """megatron-core's ``GPTModel`` of ``model`` (a ``ModelConfig``): this rank's TP shard of
+    its pipeline stage (megatron-core's groups initialised at TP x PP)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_tempnet.compat import apply_cpu_support
+    from megatron_tempnet.models.gpt import transformer_config
+
+    apply_cpu_support()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
+    config = transformer_config(model, tensor_parallel_size=tp)
+    config.pipeline_model_parallel_size = pp
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    # tied embeddings at PP > 1: megatron-core all-reduces the output layer's copy over the
+    # embedding group after moving it with ``.cuda()``, which stays on the CPU here
+    with mock.patch.object(torch.Tensor, "cuda", lambda t, *a, **k: t):
+        return _gpt_model(model, config, tp)
+
+
+def _gpt_model(model, config, tp: int):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=model.normalization),
+        vocab_size=model.padded_vocab_size(tp),
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+        position_embedding_type=model.position_embedding_type,
+        rotary_base=model.rotary_base,
+    )
+
+
+def pipeline_logits(gpt, tokens: torch.Tensor) -> torch.Tensor | None:
+    """megatron-core's forward of ``tokens`` ``[b, s]`` through the stages (the hidden states
+    sent from each stage to the next); the last stage's ranks return the full-vocabulary
+    logits ``[b, s, V_pad]`` (gathered over TP), the others None."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    b, s = tokens.shape
+    positions = torch.arange(s)[None].expand(b, s)
+    if not parallel_state.is_pipeline_first_stage():
+        hidden = torch.empty(s, b, gpt.config.hidden_size)
+        dist.recv(hidden, parallel_state.get_pipeline_model_parallel_prev_rank())
+        gpt.set_input_tensor(hidden)
+    with torch.no_grad():
+        out = gpt(tokens, positions, None)
+    if not parallel_state.is_pipeline_last_stage():
+        dist.send(out.contiguous(), parallel_state.get_pipeline_model_parallel_next_rank())
+        return None
+    return gather_from_tensor_model_parallel_region(out)
+
+
+@contextlib.contextmanager
+def cuda_stand_ins():
+    """What megatron-core's torch_dist writer asks of CUDA, on CPU; and its writer processes
+    (a ``Manager`` and forked writers), which a test's rank (a daemonic process) may start
+    only while it is not marked daemonic."""
+    process = multiprocessing.current_process()
+    daemon = process._config.get("daemon")
+    process._config["daemon"] = False
+    try:
+        with (
+            mock.patch("torch.cuda.synchronize"),
+            mock.patch("torch.cuda.current_device", return_value="cpu"),
+        ):
+            yield
+    finally:
+        process._config["daemon"] = daemon
+
+
+def _iteration_dir(save_dir: str) -> str:
+    path = os.path.join(save_dir, f"iter_{ITERATION:07d}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _publish(save_dir: str) -> None:
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(ITERATION))
+    dist.barrier()
+
+
+def save_torch_dist(gpt, args: argparse.Namespace, save_dir: str) -> None:
+    """Every rank: ``gpt`` in Megatron-LM's torch_dist format (collective)."""
+    from megatron.core import dist_checkpointing
+
+    state = {
+        "model": gpt.sharded_state_dict(),
+        "args": args,
+        "iteration": ITERATION,
+        "checkpoint_version": 3.0,
+    }
+    directory = _iteration_dir(save_dir)
+    with cuda_stand_ins():
+        dist_checkpointing.save(state, directory)
+    _publish(save_dir)
+
+
+def save_legacy(gpt, args: argparse.Namespace, save_dir: str, *, te_names: bool = False) -> None:
+    """Every rank: ``gpt``'s ``state_dict`` in Megatron-LM's legacy torch format (collective);
+    ``te_names``: under the Transformer Engine spec's names."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    t = parallel_state.get_tensor_model_parallel_rank()
+    p = parallel_state.get_pipeline_model_parallel_rank()
+    state = {}
+    for key, value in gpt.state_dict().items():
+        for local, te in TE_NORMS.items() if te_names else ():
+            key = key.replace(local, te)
+        state[key] = value
+    name = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
+    directory = os.path.join(_iteration_dir(save_dir), name)
+    os.makedirs(directory, exist_ok=True)
+    record = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": state}
+    torch.save(record, os.path.join(directory, "model_optim_rng.pt"))
+    assert tp * pp == dist.get_world_size()
+    _publish(save_dir)
