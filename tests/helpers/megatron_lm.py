@@ -81,8 +81,6 @@ def megatron_args(model, *, tp: int, pp: int, vocab_size: int) -> argparse.Names
 def build_gpt_model(model, *, tp: int, pp: int, seed: int = 11):
     """megatron-core's ``GPTModel`` of ``model`` (a ``ModelConfig``): this rank's TP shard of
     its pipeline stage (megatron-core's groups initialised at TP x PP)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_tempnet.compat import apply_cpu_support
