@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import itertools
 import os
 import threading
 from datetime import timedelta
@@ -60,8 +61,10 @@ from megatron_tempnet.trainer.file_io import load_file
 from megatron_tempnet.trainer.host_buffers import HostArena
 from megatron_tempnet.trainer.rng_state import rng_state, set_rng_state
 from megatron_tempnet.trainer.shard_reading import (
+    SavedTensor,
     files_read,
     load_boxes,
+    narrow,
     saved_tensors,
     verify_reads,
 )
@@ -293,6 +296,10 @@ class Checkpointer:
                 raise CheckpointError(f"{source}: no such directory" + _REQUIRED * require)
             log_rank0("no checkpoint in %s: starting from scratch", load_dir)
             return None
+        foreign = self._foreign(load_dir, source)
+        if foreign is not None:
+            self._load_foreign(foreign, mode, source)
+            return None
         plans: dict[str, _Plan] = {}
 
         def check(directory: str) -> None:
@@ -314,6 +321,57 @@ class Checkpointer:
             log_rank0("loaded weights from %s (%s)", plan.directory, flag)
             return None
         return self._finish_resume(plan, source)
+
+    def _foreign(self, load_dir: str, source: str):
+        """Another framework's checkpoint in ``load_dir`` (none where this project's is)."""
+        opener = self.model.foreign_checkpoint
+        if opener is None or latest_tag(load_dir) is not None:
+            return None
+        return opener(load_dir, source)
+
+    def _load_foreign(self, foreign, mode: LoadMode, source: str) -> None:
+        """The weights of another framework's checkpoint, whatever layout saved it: each rank
+        reads the full tensors of its parameters and keeps its boxes of them."""
+        log_rank0("%s holds %s", source, foreign.description)
+        if mode is LoadMode.RESUME:
+            log_rank0(
+                "%s: its weights only (its optimizer, RNG and data position are another "
+                "framework's): starting at iteration 0, as with --finetune",
+                source,
+            )
+        params = parameter_boxes(
+            self.engine, self.model.tensor_layout, saving=False, skip_frozen=False, moments=False
+        )
+        names = [p.name for p in params]
+        every = [None] * dist.get_world_size()  # every stage's: what none of them reads is stray
+        dist.all_gather_object(every, names, group=self.group)
+        error = None
+        try:
+            stray = foreign.stray(sorted({n for ns in every for n in ns}))
+            if stray:
+                raise IncompatibleCheckpoint(
+                    f"{source}: its tensor {stray[0]} has no place in this model ({len(stray)} "
+                    "such): a checkpoint of another architecture? (--use-checkpoint-args takes "
+                    "the model from it)"
+                )
+            saved = {
+                key(WEIGHT, n): SavedTensor(torch.float32, shape, ())
+                for n, shape in foreign.shapes(names).items()
+            }
+            boxes, _, missing = _select(params, saved, self.model.optional, source)
+            self.bytes_held = self.bytes_read = 0
+            for fqn, group in itertools.groupby(sorted(boxes, key=_fqn), key=_fqn):
+                full = foreign.full(fqn.partition("/")[2])
+                for box in group:
+                    box.tensor.copy_(narrow(full, box.offsets, box.tensor.shape))
+                    self.bytes_held += box.tensor.numel() * box.tensor.element_size()
+                self.bytes_read += full.numel() * full.element_size()
+            for what in sorted(missing):
+                log_rank0("%s starts from its initialisation: %s has no %s", what, source, what)
+        except CheckpointError as e:
+            error = str(e)
+        self._agree(error)
+        log_rank0("loaded weights from %s (%s)", foreign.path, source)
 
     def _agree(self, error: str | None) -> None:
         """Raise the first rank's error on every rank (collective)."""
@@ -545,3 +603,7 @@ def _train_state(directory: str, source: str) -> dict:
             f"{source}: {path}: format {state.get('format')!r}, this version reads {FORMAT}"
         )
     return state
+
+
+def _fqn(box) -> str:
+    return box.fqn

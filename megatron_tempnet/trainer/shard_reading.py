@@ -152,7 +152,7 @@ class Reader(StorageReader):
                 offset=stored.offset,
             )  # fmt: skip
             chunk = planner.saved_chunk(item)
-            source = _narrow(saved.view(chunk.sizes), item.storage_offsets, item.lengths)
+            source = narrow(saved.view(chunk.sizes), item.storage_offsets, item.lengths)
             target = planner.resolve_tensor(item)
             with torch.no_grad():  # a float32 master is the optimizer's leaf: written in place
                 target.copy_(source)
@@ -167,7 +167,8 @@ class Reader(StorageReader):
         return True
 
 
-def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
+def narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
+    """The part of ``tensor`` at ``offsets`` of ``lengths`` (a view)."""
     for dim, (offset, length) in enumerate(zip(offsets, lengths)):
         tensor = tensor.narrow(dim, int(offset), int(length))
     return tensor
@@ -213,7 +214,7 @@ class BoxLoadPlanner(LoadPlanner):
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         box = self.wanted[read_item.dest_index.fqn][read_item.dest_index.index]
-        return _narrow(box.tensor, read_item.dest_offsets, read_item.lengths)
+        return narrow(box.tensor, read_item.dest_offsets, read_item.lengths)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass  # written in place

@@ -90,9 +90,31 @@ class TrainModel:
     tensors (``trainer.sharded_state``) need it."""
     engine_config: dict = field(default_factory=dict)
     """DeepSpeed config entries the model needs, over the run's (``{"pipeline": {...}}``)."""
+    foreign_checkpoint: Callable[[str, str], ForeignCheckpoint | None] | None = None
+    """Opens another framework's checkpoint in a directory (and the flag naming it) for a
+    weights-only load; None when it holds none. --load, --finetune and --pretrained-checkpoint
+    read it when the directory holds no checkpoint of this project."""
     flops_per_sample: float | None = None
     """Training FLOPs of one sample, forward and backward, over the whole model
     (--log-throughput); None: the task has no count."""
+
+
+class ForeignCheckpoint(Protocol):
+    """Another framework's checkpoint (Megatron-LM's), read as weights to start from: its full
+    tensors under the training module's parameter names."""
+
+    path: str
+    description: str
+    """What it is, for the start-up line (``a Megatron-LM torch_dist checkpoint (...)``)."""
+
+    def shapes(self, names: list[str]) -> dict[str, tuple[int, ...]]:
+        """The full shapes of the ``names`` it holds (the others: absent)."""
+
+    def stray(self, names: list[str]) -> list[str]:
+        """Its model tensors that none of ``names`` reads (a model of another structure)."""
+
+    def full(self, name: str) -> torch.Tensor:
+        """The full tensor of parameter ``name``."""
 
 
 StepFunction = Callable[[list[dict]], StepStats]

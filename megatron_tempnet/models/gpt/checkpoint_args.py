@@ -11,7 +11,8 @@ Megatron-LM's rule, in this project's fields:
   checkpoint's.
 
 The config is the checkpoint's own (its ``train_state.json``), taken from the newest complete
-checkpoint that ``latest`` names. Without a checkpoint in --load the command line's
+checkpoint that ``latest`` names; a Megatron-LM checkpoint's is its saved ``args``
+(``megatron_lm.model_fields``). Without a checkpoint in --load the command line's
 architecture is used and a line says so (Megatron-LM's rule), unless
 --exit-on-missing-checkpoint makes it an error.
 """
@@ -66,6 +67,8 @@ STRUCTURE = (
 def saved_run_config(load_dir: str) -> tuple[str, dict] | None:
     """(tag, run config) of the newest checkpoint in ``load_dir``; None when it holds none."""
     tag = latest_tag(load_dir) if os.path.isdir(load_dir) else None
+    if tag is None and os.path.isdir(load_dir):
+        return _megatron_lm_config(load_dir)
     if tag is None:
         return None
     directory = os.path.join(load_dir, tag)
@@ -78,6 +81,18 @@ def saved_run_config(load_dir: str) -> tuple[str, dict] | None:
             "its architecture; give the architecture flags instead"
         )
     return tag, config
+
+
+def _megatron_lm_config(load_dir: str) -> tuple[str, dict] | None:
+    """A Megatron-LM checkpoint's model, from the args it saved (None: not one)."""
+    from megatron_tempnet.models.gpt import megatron_lm
+
+    source = f"--load {load_dir}"
+    located = megatron_lm.locate(load_dir, source)
+    if located is None:
+        return None
+    fields = megatron_lm.model_fields(megatron_lm.saved_args(located, source), source)
+    return os.path.relpath(located.directory, load_dir), {"model": fields}
 
 
 def model_args_from_checkpoint(

@@ -471,3 +471,62 @@ def open_checkpoint(path: str, source: str, vocab_size: int | None = None):
     if vocab_size is None:
         vocab_size = vocabulary(saved_args(located, source), source)
     return MegatronLMCheckpoint(located, source, vocab_size)
+
+
+class TrainingWeights:
+    """A Megatron-LM checkpoint as ``trainer.task.ForeignCheckpoint``: the LM's parameters
+    under the training module's names (``GPTStack``'s behind ``prefix``)."""
+
+    def __init__(self, checkpoint: MegatronLMCheckpoint, prefix: str):
+        self.checkpoint, self.prefix = checkpoint, prefix
+        self.path, self.description = checkpoint.path, checkpoint.description
+
+    def _lm(self, names: list[str]) -> list[str]:
+        return [n.removeprefix(self.prefix) for n in names if n.startswith(self.prefix)]
+
+    def shapes(self, names: list[str]) -> dict[str, tuple[int, ...]]:
+        found = self.checkpoint.names(self._lm(names))
+        return {self.prefix + n: shape for n, shape in found.items()}
+
+    def stray(self, names: list[str]) -> list[str]:
+        return self.checkpoint.stray(self._lm(names))
+
+    def full(self, name: str) -> torch.Tensor:
+        return self.checkpoint.full(name.removeprefix(self.prefix))
+
+
+_SAME_MODEL = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "position_embedding_type",
+    "rotary_base",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "normalization",
+    "norm_epsilon",
+    "apply_layernorm_1p",
+    "add_bias_linear",
+    "swiglu",
+    "openai_gelu",
+    "untie_embeddings_and_output_weights",
+)
+"""What the weights' shapes and meaning depend on: a run reading the checkpoint has its values."""
+
+
+def check_same_model(saved: ModelConfig, run: ModelConfig, source: str) -> None:
+    """The run's model computes what the checkpoint's did (a RoPE base or a norm epsilon
+    differs without changing a shape: loading would be silently another model)."""
+    for name in _SAME_MODEL:
+        mine, theirs = getattr(run, name), getattr(saved, name)
+        if name == "num_query_groups":  # None: one group per head
+            mine = mine or run.num_attention_heads
+            theirs = theirs or saved.num_attention_heads
+        if mine != theirs:
+            flag = "--" + name.replace("_", "-")
+            raise CheckpointError(
+                f"{source}: the checkpoint's model has {flag} {theirs}, this run {mine}: give "
+                f"{flag} {theirs}, or --use-checkpoint-args to take the model from it"
+            )

@@ -29,6 +29,7 @@ from megatron_tempnet.data.tokenizer_sidecar import check_tokenizer
 from megatron_tempnet.data.tokenizers import TokenizerConfig
 from megatron_tempnet.distributed.groups import host_group
 from megatron_tempnet.distributed.sharding import TensorLayout
+from megatron_tempnet.models.gpt import megatron_lm
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.gpt.flops import flops_per_token
 from megatron_tempnet.models.gpt.layers import EMBEDDING_OR_OUTPUT, build_gpt_model
@@ -174,6 +175,16 @@ def _check_norm_weights(config: GPTRunConfig) -> None:
             )
 
 
+def _megatron_lm_weights(model: ModelConfig, directory: str, source: str):
+    """A Megatron-LM checkpoint in ``directory`` as the LM's starting weights (None: none
+    there); its model must be the run's."""
+    found = megatron_lm.open_checkpoint(directory, source, model.vocab_size)
+    if found is None:
+        return None
+    megatron_lm.check_same_model(found.model, model, source)
+    return megatron_lm.TrainingWeights(found, "lm.")  # TrainModule's LM
+
+
 def _frozen_from_pretrained(config: GPTRunConfig) -> bool:
     """The frozen LM is read from --pretrained-checkpoint and left out of the checkpoints
     (ZeRO-3 keeps every parameter in its partitions: those checkpoints stay whole)."""
@@ -260,6 +271,7 @@ class GPTTask:
             engine_config=PIPELINE_ENGINE
             if config.parallel.pipeline_model_parallel_size > 1
             else {},
+            foreign_checkpoint=partial(_megatron_lm_weights, config.model),
             flops_per_sample=_flops_per_sample(config),
         )
 
