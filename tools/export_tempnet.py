@@ -15,8 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_tempnet.inference.checkpoint_io import CheckpointReader
-from megatron_tempnet.tempnet.export import export_tempnet
+from megatron_tempnet.inference.checkpoint_io import CheckpointReader, export_reader_tempnet
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 from megatron_tempnet.utils.cli import run_tool
 
@@ -40,17 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--load {args.load}: {reader.path} holds no TempNet (a run with --tau-source "
             "tempnet saves one)"
         )
-    settings = reader.config.get("loss", {})
-    keys = ("loss", "rho", "tau_min", "tau_max", "stop_grad")
-    trained_with = {k: settings.get(k) for k in keys}
-    trained_with["checkpoint"] = reader.path
-    config = export_tempnet(
-        reader.tempnet_state(),
-        args.output,
-        tau_min=settings["tau_min"],
-        tau_max=settings["tau_max"],
-        trained_with=trained_with,
-    )
+    config = export_reader_tempnet(reader, args.output)
     print(
         f"wrote {args.output}: TempNet d1={config['d1']} d2={config['d2']} over "
         f"{config['vocab_size']} tokens, tau in [{config['tau0']}, {config['tau_max']}]"

@@ -131,6 +131,24 @@ def open_reader(load_dir: str, flag: str = "--load", *, vocab_size: int | None =
     return CheckpointReader(load_dir, flag)
 
 
+def export_reader_tempnet(reader: CheckpointReader, directory: str) -> dict:
+    """Export the TempNet of ``reader``'s checkpoint to ``directory`` (``tempnet.export``,
+    with the run's loss settings); returns its config."""
+    from megatron_tempnet.tempnet.export import export_tempnet
+
+    settings = reader.config.get("loss", {})
+    keys = ("loss", "rho", "tau_min", "tau_max", "stop_grad")
+    trained_with = {k: settings.get(k) for k in keys}
+    trained_with["checkpoint"] = reader.path
+    return export_tempnet(
+        reader.tempnet_state(),
+        directory,
+        tau_min=settings["tau_min"],
+        tau_max=settings["tau_max"],
+        trained_with=trained_with,
+    )
+
+
 def read_config(directory: str, source: str) -> dict:
     """The run config a checkpoint directory was saved with (``train_state.json``)."""
     return read_train_state(directory, source).get("config") or {}

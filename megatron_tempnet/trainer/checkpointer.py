@@ -57,6 +57,7 @@ from megatron_tempnet.trainer.checkpoint_format import (
     tag_for,
 )
 from megatron_tempnet.trainer.checkpoint_writer import SaveJob, rank_file
+from megatron_tempnet.trainer.config import TEMPNET_DIST
 from megatron_tempnet.trainer.file_io import load_file
 from megatron_tempnet.trainer.host_buffers import HostArena
 from megatron_tempnet.trainer.rng_state import rng_state, set_rng_state
@@ -80,6 +81,7 @@ from megatron_tempnet.trainer.sharded_state import (
 from megatron_tempnet.utils.logging import log_rank0
 
 FORMAT = 2
+OURS = TEMPNET_DIST
 _REQUIRED = ", and --exit-on-missing-checkpoint stops the run instead of starting from scratch"
 _FROZEN_NOTE = (
     "This checkpoint holds the trained parameters only: the frozen ones are read again from the "
@@ -318,7 +320,9 @@ class Checkpointer:
         error, self.bytes_read = _read(plan, source)
         self._agree(error)
         if plan.mode is LoadMode.WEIGHTS:
-            log_rank0("loaded weights from %s (%s)", plan.directory, flag)
+            log_rank0(
+                "loaded weights from %s (%s), a tempnet_dist checkpoint", plan.directory, flag
+            )
             return None
         return self._finish_resume(plan, source)
 
@@ -519,7 +523,9 @@ class Checkpointer:
             client["rank_states"] = [
                 f["rank_state"] for f in files if f.get("rank_state") is not None
             ]
-        log_rank0("resumed from %s at iteration %d", plan.directory, iteration)
+        log_rank0(
+            "resumed from %s at iteration %d, a tempnet_dist checkpoint", plan.directory, iteration
+        )
         return client
 
 

@@ -194,6 +194,10 @@ class TrainingConfig:
         return max(self.train_samples or 0, self.batch_schedule().consumed(self.iterations))
 
 
+TEMPNET_DIST = "tempnet_dist"
+"""This project's checkpoint format (``trainer.checkpointer``)."""
+
+
 @dataclass
 class CheckpointConfig:
     save: str | None = None
@@ -227,11 +231,14 @@ class CheckpointConfig:
     exit_on_missing_checkpoint: bool = False
     """With --load: stop with an error when it holds no checkpoint, instead of starting from
     scratch."""
-    ckpt_format: str = option("torch_dist", choices=("torch_dist",))
-    """The checkpoint format: torch_dist, each rank writing its own share of the weights,
-    float32 masters and AdamW moments (sharded on torch.distributed.checkpoint), loadable at
-    any layout. Megatron-LM's other formats (torch, torch_dcp, fsdp_dtensor) are not
-    written."""
+    ckpt_format: str = option(TEMPNET_DIST, choices=(TEMPNET_DIST, "torch_dist", "torch"))
+    """The format of the checkpoints this run saves: tempnet_dist, this project's (each rank
+    writing its own share of the weights, float32 masters and AdamW moments on
+    torch.distributed.checkpoint, with TempNet, per-sample state, RNG and data position),
+    loadable at any layout. Megatron-LM's torch_dist and torch are accepted for its scripts:
+    the run saves tempnet_dist and says so at start-up; Megatron-LM's checkpoints of both
+    formats are read by --load, --finetune and --pretrained-checkpoint whatever this flag says,
+    and tools/checkpoint/export_megatron_lm.py writes torch_dist."""
     async_save: bool = False
     """Write checkpoints in the background: the state is copied to host memory (pinned on
     CUDA) and training goes on while every rank writes its share; the checkpoint becomes

@@ -141,8 +141,19 @@ class RunSpellings:
 
 
 def notes(args: argparse.Namespace, given: set[str]) -> list[str]:
-    """One start-up line per ``RunSpellings`` flag the command line gives."""
-    return spelling_notes(RunSpellings, args, given)
+    """One start-up line per ``RunSpellings`` flag the command line gives, and for a
+    Megatron-LM --ckpt-format."""
+    lines = spelling_notes(RunSpellings, args, given)
+    fmt = getattr(args, "ckpt_format", None)
+    if fmt in ("torch_dist", "torch"):
+        lines.append(
+            f"--ckpt-format {fmt}: this run saves its checkpoints as tempnet_dist (this "
+            "project's format: TempNet, per-sample state and the training state have no place "
+            f"in Megatron-LM's {fmt}); Megatron-LM's checkpoints are read by --load, --finetune "
+            "and --pretrained-checkpoint, and tools/checkpoint/export_megatron_lm.py writes "
+            "torch_dist"
+        )
+    return lines
 
 
 def spelling_notes(cls: type, args: argparse.Namespace, given: set[str]) -> list[str]:

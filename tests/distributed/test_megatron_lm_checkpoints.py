@@ -1,7 +1,9 @@
 """Megatron-LM's checkpoints load here at another layout: megatron-core's own ``GPTModel`` (GPT-2
 and LLaMA shapes) saved at TP 2 and at TP 1 x PP 2 in Megatron-LM's torch_dist and legacy torch
 formats (``tests.helpers.megatron_lm``) gives, loaded here at TP 1 and TP 2, megatron-core's
-own logits."""
+own logits; written back in torch_dist (tools/checkpoint/export_megatron_lm.py, from this
+project's format), megatron-core's ``dist_checkpointing.load`` gives a fresh ``GPTModel`` the
+same weights."""
 
 from __future__ import annotations
 
@@ -46,7 +48,42 @@ def _write_then_read(root: str, arch: str, tp: int, pp: int, read_tp: int) -> di
     megatron_lm.save_legacy(gpt, args, os.path.join(root, "legacy"), te_names=arch == "llama")
     out = {f: _ours(os.path.join(root, f), read_tp) for f in ("dist", "legacy")}
     out["reference"] = None if reference is None else reference[..., :IDS]
+    out["exported"] = _export_and_reload(root, gpt, model, tp, pp)
     return out
+
+
+def _export_and_reload(root: str, gpt, model, tp: int, pp: int) -> dict[str, bool]:
+    """Megatron-LM -> this project's format -> Megatron-LM torch_dist at the writer's layout,
+    loaded into a fresh ``GPTModel`` (another seed): each of its tensors equals ``gpt``'s."""
+    import torch.distributed as dist
+
+    from megatron_tempnet.inference.checkpoint_io import open_reader, write_checkpoint
+    from tests.helpers import megatron_lm
+
+    ours, back = os.path.join(root, "ours"), os.path.join(root, "back")
+    if dist.get_rank() == 0:
+        reader = open_reader(os.path.join(root, "legacy"))
+        write_checkpoint(ours, reader.model, reader.full)
+        megatron_lm.run_tool(
+            "checkpoint/export_megatron_lm.py", "--load", ours, "--save", back,
+            "--target-tp", tp, "--target-pp", pp,
+        )  # fmt: skip
+    dist.barrier()
+    fresh = megatron_lm.build_gpt_model(model, tp=tp, pp=pp, seed=99)
+    megatron_lm.load_torch_dist(fresh, os.path.join(back, "release"))
+    want = {k: v for k, v in gpt.state_dict().items() if isinstance(v, torch.Tensor)}
+    got = fresh.state_dict()
+    assert want.keys() <= got.keys()
+    same = {}
+    for k, v in want.items():
+        if k.endswith(("word_embeddings.weight", "output_layer.weight")):
+            # this rank's rows of the padded vocabulary: the true ones equal, the padding zero
+            start = parallel_state.get_tensor_model_parallel_rank() * v.shape[0]
+            true = max(0, min(v.shape[0], IDS - start))
+            same[k] = torch.equal(got[k][:true], v[:true]) and not got[k][true:].any()
+        else:
+            same[k] = torch.equal(got[k], v)
+    return same
 
 
 @pytest.mark.parametrize(
@@ -61,5 +98,6 @@ def test_megatron_lm_checkpoints_give_megatron_cores_logits_at_another_layout(
     reference = results[-1]["reference"]
     assert reference is not None and reference.shape == (2, SEQ, IDS)
     for rank in results:
+        assert rank["exported"] and all(rank["exported"].values()), rank["exported"]
         for fmt in ("dist", "legacy"):
             torch.testing.assert_close(rank[fmt], reference, rtol=1e-5, atol=1e-5)

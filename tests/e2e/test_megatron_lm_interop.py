@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.helpers.checkpoints import weights
 from tests.helpers.corpus import blend_corpus, data_flags, pydoc_documents
@@ -150,3 +151,11 @@ def test_setting_iii_trains_tempnet_on_a_frozen_legacy_checkpoint(mlm, tmp_path)
     for load, flags in ((run, ()), (mlm["dir"] / "dist", ("--fixed-tau", 1))):
         got = _ppl(mlm, load, tmp_path, *flags)
         assert got["tokens"] == n and got["ppl"] == pytest.approx(want, rel=1e-5)
+    # back to Megatron-LM: the LM from the checkpoint the run started from, TempNet beside it
+    back = tmp_path / "back"
+    _tool("checkpoint/export_megatron_lm.py", "--load", run, "--save", back, "--target-tp", 2)
+    assert (back / "latest_checkpointed_iteration.txt").read_text() == "release"
+    exported = load_file(back / "tempnet" / "tempnet.safetensors")
+    for name, tensor in weights(run).items():
+        assert torch.equal(exported[name.removeprefix("tempnet.")], tensor), name
+    assert _greedy(mlm, back, tmp_path, "--tempnet", back / "tempnet") == mlm["greedy"]

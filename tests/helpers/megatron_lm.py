@@ -87,6 +87,7 @@ def build_gpt_model(model, *, tp: int, pp: int, seed: int = 11):
     from megatron_tempnet.models.gpt import transformer_config
 
     apply_cpu_support()
+    parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
     )
@@ -115,6 +116,28 @@ def _gpt_model(model, config, tp: int):
         position_embedding_type=model.position_embedding_type,
         rotary_base=model.rotary_base,
     )
+
+
+def load_torch_dist(gpt, directory: str) -> None:
+    """Every rank: ``gpt``'s weights from the torch_dist checkpoint ``directory`` (an
+    ``iter_``/``release`` folder), with megatron-core's own ``dist_checkpointing.load``."""
+    from megatron.core import dist_checkpointing
+
+    with cuda_stand_ins():
+        state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, directory)
+    gpt.load_state_dict(state["model"])
+
+
+def run_tool(script: str, *argv: str) -> None:
+    """``tools/<script>``'s ``main(argv)`` in this process (a test's rank cannot start the
+    session's program server)."""
+    import importlib.util
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("tool", os.path.join(repo, "tools", script))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main([str(a) for a in argv]) == 0
 
 
 def pipeline_logits(gpt, tokens: torch.Tensor) -> torch.Tensor | None:

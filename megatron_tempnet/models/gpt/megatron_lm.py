@@ -42,7 +42,7 @@ from megatron_tempnet.trainer.file_io import load_foreign_file
 TRACKER = "latest_checkpointed_iteration.txt"
 """Megatron-LM's file naming the newest checkpoint of a --save directory."""
 TORCH_DIST, TORCH = "torch_dist", "torch"
-_TE_NORMS = {
+TE_NORMS = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
@@ -261,7 +261,7 @@ class MegatronLMCheckpoint:
         if i == self._at.output:
             return [rest], None
         rest = rest.removeprefix("layer.")
-        return [n for n in (rest, _TE_NORMS.get(rest)) if n], i - 2
+        return [n for n in (rest, TE_NORMS.get(rest)) if n], i - 2
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         """The full (unpadded) shape of ``name``; None when the checkpoint lacks it."""
