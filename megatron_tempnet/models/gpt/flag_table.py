@@ -40,6 +40,19 @@ VALUE_LIMITS = [
     ("--kv-channels K", "--hidden-size / --num-attention-heads only"),
 ]
 
+CHECKPOINT_FORMAT = (
+    "`--ckpt-format` names the format a run saves in. Megatron-LM's default, `torch_dist`, "
+    "holds an LM's weights and Megatron-LM's optimizer state under megatron-core's names; this "
+    "project's runs save `tempnet_dist` (the default here: TempNet, per-sample state, every "
+    "rank's RNG and the data position have no place in Megatron-LM's). `torch_dist` and `torch` "
+    "are accepted for Megatron-LM's scripts: the run saves `tempnet_dist` and its first lines "
+    "say so. Megatron-LM's checkpoints of both formats load, whatever the flag says, with "
+    "`--load`, `--finetune`, `--pretrained-checkpoint` and `--use-checkpoint-args` (and in "
+    "every tool), at any TP x PP; `tools/checkpoint/export_megatron_lm.py` writes a run's LM "
+    "as Megatron-LM's `torch_dist` (docs/interop.md)."
+)
+"""What --ckpt-format means here (it is left out of the flags with Megatron-LM's meaning)."""
+
 DEFAULTS_THAT_DIFFER = [
     (
         "--loss, --tau-source",
@@ -47,6 +60,7 @@ DEFAULTS_THAT_DIFFER = [
         "cross-entropy: `--loss ce`",
     ),
     ("--transformer-impl", "local (megatron-core's own layers)", "transformer_engine"),
+    ("--ckpt-format", "tempnet_dist (this project's format, above)", "torch_dist"),
     (
         "--tokenizer-type",
         "GPT2BPETokenizer when --vocab-file and --merge-file are given (said at start-up)",
@@ -73,7 +87,7 @@ def _same_name_flags() -> list[str]:
         for s in action.option_strings
         if s.startswith("--") and "_" not in s
     }
-    return sorted(flags - PROJECT_FLAGS - spelled)
+    return sorted(flags - PROJECT_FLAGS - spelled - {"--ckpt-format"})
 
 
 def markdown() -> str:
@@ -95,6 +109,10 @@ def markdown() -> str:
         "model's ids, its end of document `<EOD>`; `GPTSentencePieceTokenizer` is the model's "
         "own ids, its end of document the EOS piece; `Llama2Tokenizer` the same with a BOS "
         "before every text. Data preprocessed by Megatron-LM trains here with the same ids.",
+        "",
+        "## Checkpoints",
+        "",
+        CHECKPOINT_FORMAT,
         "",
         "## Other spellings",
         "",
