@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from megatron_tempnet.inference.checkpoint_io import CheckpointReader
+from megatron_tempnet.inference.checkpoint_io import open_reader
 from megatron_tempnet.inference.hf_weights import hf_config, to_hf
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 from megatron_tempnet.utils.cli import run_tool
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    reader = CheckpointReader(args.load)
+    reader = open_reader(args.load)
     if not reader.has_lm():
         raise CheckpointError(
             f"--load {args.load}: holds TempNet without the LM (a frozen-LM run): convert the "

@@ -32,7 +32,7 @@ from megatron_tempnet.inference.checkpoint_io import (
     open_reader,
 )
 from megatron_tempnet.models.gpt.megatron_lm import TRACKER
-from megatron_tempnet.models.gpt.megatron_lm_export import megatron_args, write_torch_dist
+from megatron_tempnet.models.gpt.megatron_lm.export import megatron_args, write_torch_dist
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 from megatron_tempnet.utils.cli import run_tool
 

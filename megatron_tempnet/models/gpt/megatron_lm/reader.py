@@ -1,47 +1,29 @@
-"""Megatron-LM's GPT/LLaMA checkpoints, read without Megatron-LM, at any layout.
-
-Megatron-LM's ``--save DIR`` holds ``latest_checkpointed_iteration.txt`` (an iteration, or
-``release``) naming ``DIR/iter_XXXXXXX/``, in one of two formats:
-
-- ``torch_dist`` (megatron-core's ``dist_checkpointing``): ``.metadata`` and ``__*.distcp``
-  files of ``torch.distributed.checkpoint``, ``common.pt`` (the saved ``args``) and
-  ``metadata.json`` (``sharded_backend: torch_dist``). Each tensor is one global tensor under
-  megatron-core's ``GPTModel`` names; the transformer layers are stacked on a leading layer
-  axis (``decoder.layers.self_attention.linear_qkv.weight``: ``[L, ...]``) and the norms go by
-  Transformer Engine's fused names (``...linear_qkv.layer_norm_weight``), whichever layer spec
-  trained. Read with DCP's own ``FileSystemReader``, only the part of a stacked tensor a layer
-  needs.
-- ``torch`` (legacy): ``mp_rank_TT/model_optim_rng.pt`` (``mp_rank_TT_PPP`` with pipeline
-  stages), each the ``state_dict`` of one rank's model under ``model``, its layers numbered
-  from 0 in every stage, its split tensors cut as megatron-core cuts them (``distributed.
-  sharding`` merges them).
-
-Tensors are given under ``GPTStack``'s names (``checkpoint_io.lm_names``), full and with the
-vocabulary unpadded, so a checkpoint saved at any TP x PP loads at any other. The model comes
-from the saved ``args`` (``model_fields``); what ``GPTStack`` does not compute (experts, MLA,
-QK-norm, a custom layer spec, ...) is refused by name. Optimizer, RNG and data position are not
-read: a Megatron-LM checkpoint is a starting point (its weights), as with ``--finetune``.
-"""
+"""A Megatron-LM checkpoint's tensors under ``GPTStack``'s names, full and unpadded, at any
+layout; the same as a training run's starting weights."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import re
-from dataclasses import dataclass
 
 import torch
 
 from megatron_tempnet.distributed.sharding import full_shape, merge, split_kind
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.gpt.layers import PieceIndex
+from megatron_tempnet.models.gpt.megatron_lm.saved import (
+    TORCH_DIST,
+    Located,
+    locate,
+    model_fields,
+    rank_files,
+    saved_args,
+    tokenizer_spec,
+    vocabulary,
+)
+from megatron_tempnet.models.gpt.state_names import lm_names
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 from megatron_tempnet.trainer.file_io import load_foreign_file
 
-TRACKER = "latest_checkpointed_iteration.txt"
-"""Megatron-LM's file naming the newest checkpoint of a --save directory."""
-TORCH_DIST, TORCH = "torch_dist", "torch"
 TE_NORMS = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
@@ -51,158 +33,12 @@ TE_NORMS = {
 """``GPTStack``'s norm names -> Transformer Engine's spec (the norm fused into the linear)."""
 _MODEL_ROOTS = ("embedding", "decoder", "output_layer")
 """The first name part of a ``GPTModel`` tensor (the optimizer's and others' are not)."""
-_RANK_DIR = re.compile(r"mp_rank_(\d\d)(?:_(\d\d\d))?$")
-
-
-@dataclass(frozen=True)
-class Located:
-    """The checkpoint directory (``iter_XXXXXXX``) a Megatron-LM ``--save`` names, its format."""
-
-    directory: str
-    format: str
-    iteration: str
-
-
-def locate(path: str, source: str) -> Located | None:
-    """The Megatron-LM checkpoint ``path`` holds (a --save directory, or one ``iter_``
-    directory); None when it holds none. Raises when it names one that cannot be read."""
-    tracker = os.path.join(path, TRACKER)
-    if os.path.isfile(tracker):
-        with open(tracker) as f:
-            text = f.read().strip()
-        if text != "release" and not text.isdigit():
-            raise CheckpointError(f"{source}: {tracker} holds {text!r}, not an iteration")
-        tag = "release" if text == "release" else f"iter_{int(text):07d}"
-        directory = os.path.join(path, tag)
-        if not os.path.isdir(directory):
-            raise CheckpointError(f"{source}: {tracker} names {tag}, which is not there")
-    elif _format(path) is not None:
-        directory, text = path, os.path.basename(os.path.normpath(path))
-    else:
-        return None
-    found = _format(directory)
-    if found is None:
-        raise CheckpointError(
-            f"{source}: {directory} holds neither a torch_dist checkpoint (metadata.json, "
-            ".metadata) nor a legacy torch one (mp_rank_XX/model_optim_rng.pt)"
-        )
-    return Located(directory, found, text)
-
-
-def _format(directory: str) -> str | None:
-    meta = os.path.join(directory, "metadata.json")
-    if os.path.isfile(meta):
-        try:
-            with open(meta) as f:
-                backend = json.load(f).get("sharded_backend")
-        except (OSError, ValueError, AttributeError) as e:
-            raise CheckpointError(f"{meta} cannot be read ({e})") from None
-        if backend != TORCH_DIST:
-            raise CheckpointError(
-                f"{meta}: sharded backend {backend!r}: Megatron-LM checkpoints are read in the "
-                "torch_dist and torch formats (convert with Megatron-LM's --ckpt-convert-format "
-                "torch_dist)"
-            )
-        return TORCH_DIST
-    if os.path.isdir(directory) and any(_RANK_DIR.match(d) for d in os.listdir(directory)):
-        return TORCH
-    return None
-
-
-# ------------------------------------------------------------------ the model from the args
-
-_REFUSED = (
-    ("num_experts", lambda v: v not in (None, 0, 1), "mixture of experts (--num-experts)"),
-    ("multi_latent_attention", bool, "multi-latent attention (--multi-latent-attention)"),
-    ("qk_layernorm", bool, "QK layer norm (--qk-layernorm)"),
-    ("squared_relu", bool, "the squared-ReLU MLP (--squared-relu)"),
-    ("rotary_interleaved", bool, "interleaved RoPE (--rotary-interleaved)"),
-    ("rotary_percent", lambda v: v not in (None, 1.0), "partial RoPE (--rotary-percent)"),
-    ("spec", lambda v: v is not None, "a custom layer spec (--spec)"),
-    ("mtp_num_layers", lambda v: v not in (None, 0), "multi-token prediction (--mtp-num-layers)"),
-    ("heterogeneous_layers_config_path", bool, "heterogeneous layers"),
-)
-"""Saved arguments whose models ``GPTStack`` does not compute: (name, refused when, what)."""
 _LEGACY_UNEVEN = (
     "virtual_pipeline_model_parallel_size",
     "decoder_first_pipeline_num_layers",
     "decoder_last_pipeline_num_layers",
 )
 """Pipeline splits whose legacy files number layers other than evenly per stage."""
-_COPIED = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "ffn_hidden_size",
-    "normalization",
-    "swiglu",
-    "openai_gelu",
-    "add_bias_linear",
-    "norm_epsilon",
-    "init_method_std",
-    "hidden_dropout",
-    "attention_dropout",
-    "apply_layernorm_1p",
-    "seq_length",
-    "max_position_embeddings",
-    "untie_embeddings_and_output_weights",
-    "position_embedding_type",
-    "rotary_base",
-    "use_rope_scaling",
-    "rope_scaling_factor",
-    "make_vocab_size_divisible_by",
-)
-"""Megatron-LM's arguments that are ``ModelConfig`` fields of the same name and meaning."""
-
-
-def model_fields(args: argparse.Namespace, source: str) -> dict:
-    """``ModelConfig``'s fields from Megatron-LM's saved ``args`` (the vocabulary size aside:
-    the tokenizer gives it); raises, naming it, on what ``GPTStack`` does not compute."""
-    for name, refused, what in _REFUSED:
-        if refused(getattr(args, name, None)):
-            raise CheckpointError(
-                f"{source}: the checkpoint's model uses {what} ({name} = "
-                f"{getattr(args, name)!r}), which this project does not build"
-            )
-    if getattr(args, "add_qkv_bias", False) and not getattr(args, "add_bias_linear", True):
-        raise CheckpointError(
-            f"{source}: the checkpoint's model has a bias on q/k/v only (--add-qkv-bias), "
-            "which this project does not build"
-        )
-    impl = getattr(args, "transformer_impl", "local")
-    if impl not in ("local", "transformer_engine"):
-        raise CheckpointError(f"{source}: unknown --transformer-impl {impl!r} in the checkpoint")
-    fields = {n: getattr(args, n) for n in _COPIED if getattr(args, n, None) is not None}
-    heads = fields.get("num_attention_heads")
-    kv = getattr(args, "kv_channels", None)
-    if heads and kv not in (None, fields["hidden_size"] // heads):
-        raise CheckpointError(
-            f"{source}: the checkpoint's head size (--kv-channels {kv}) is not hidden size / "
-            "heads, which this project requires"
-        )
-    if getattr(args, "group_query_attention", False):
-        fields["num_query_groups"] = args.num_query_groups
-    if fields.get("position_embedding_type") not in (None, "learned_absolute", "rope"):
-        raise CheckpointError(
-            f"{source}: position embedding {fields['position_embedding_type']!r} in the "
-            "checkpoint: this project builds learned_absolute and rope"
-        )
-    return fields
-
-
-def tokenizer_spec(args: argparse.Namespace) -> dict | None:
-    """The saved tokenizer flags, as ``data.tokenizers.build_tokenizer`` takes them."""
-    kind = getattr(args, "tokenizer_type", None)
-    if not isinstance(kind, str):
-        return None
-    spec = {"tokenizer_type": kind}
-    for name in ("tokenizer_model", "vocab_file", "merge_file", "vocab_size"):
-        if getattr(args, name, None) is not None:
-            spec[name] = getattr(args, name)
-    return spec
-
-
-# ------------------------------------------------------------------ reading
 
 
 class MegatronLMCheckpoint:
@@ -221,7 +57,7 @@ class MegatronLMCheckpoint:
 
             self._saved = FileSystemReader(self.path).read_metadata().state_dict_metadata
         else:
-            self._files = _rank_files(self.path, source)
+            self._files = rank_files(self.path, source)
         self.args = saved_args(located, source)
         fields = model_fields(self.args, source)
         self.model = ModelConfig(**fields, vocab_size=vocab_size)
@@ -280,10 +116,15 @@ class MegatronLMCheckpoint:
             shape = (self.model.vocab_size, *shape[1:])
         return shape
 
-    def names(self, wanted: list[str]) -> dict[str, tuple[int, ...]]:
+    def shapes(self, wanted: list[str]) -> dict[str, tuple[int, ...]]:
         """The shapes of ``wanted``'s names that the checkpoint holds."""
         shapes = {n: self.shape(n) for n in wanted}
         return {n: s for n, s in shapes.items() if s is not None}
+
+    def names(self) -> list[str]:
+        """``GPTStack``'s names of the tensors it holds, in order."""
+        every = [n for n in lm_names(self.model) if not n.endswith("_extra_state")]
+        return [n for n in every if self._find(n) is not None]
 
     def stray(self, wanted: list[str]) -> list[str]:
         """The checkpoint's model tensors that none of ``wanted`` reads (a bias this model
@@ -416,52 +257,6 @@ def _unnumbered(key: str) -> str:
     return re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", key)
 
 
-def _rank_files(directory: str, source: str) -> dict[tuple[int, int], str]:
-    files = {}
-    for d in os.listdir(directory):
-        match = _RANK_DIR.match(d)
-        if match:
-            path = os.path.join(directory, d, "model_optim_rng.pt")
-            if not os.path.isfile(path):
-                raise CheckpointError(f"{source}: {path} is missing")
-            files[(int(match.group(1)), int(match.group(2) or 0))] = path
-    return files
-
-
-def saved_args(located: Located, source: str) -> argparse.Namespace:
-    """The ``args`` a Megatron-LM checkpoint was saved with (``common.pt``, or the first
-    rank's file of a legacy one)."""
-    if located.format == TORCH_DIST:
-        common = load_foreign_file(os.path.join(located.directory, "common.pt"))
-    else:
-        files = _rank_files(located.directory, source)
-        common = load_foreign_file(files[min(files)], mmap=True)
-    args = common.get("args") if isinstance(common, dict) else None
-    if not isinstance(args, argparse.Namespace):
-        raise CheckpointError(f"{source}: {located.directory} carries no saved args")
-    return args
-
-
-def vocabulary(args: argparse.Namespace, source: str) -> int:
-    """The true vocabulary of a Megatron-LM checkpoint: its saved tokenizer's size (Megatron-LM
-    saves only the padded one)."""
-    from megatron_tempnet.data.tokenizers import TokenizerError, build_tokenizer
-
-    spec = tokenizer_spec(args)
-    if spec is None:
-        raise CheckpointError(
-            f"{source}: its args name no tokenizer: give the tokenizer flags (--tokenizer-type "
-            "and its files) for its vocabulary size"
-        )
-    try:
-        return build_tokenizer(**spec).vocab_size
-    except (TokenizerError, OSError) as e:
-        raise CheckpointError(
-            f"{source}: its vocabulary size is its tokenizer's ({spec}), which cannot be built "
-            f"here ({e}): give the tokenizer flags (--tokenizer-type and its files)"
-        ) from None
-
-
 def open_checkpoint(path: str, source: str, vocab_size: int | None = None):
     """The Megatron-LM checkpoint in ``path`` (None when it holds none), its vocabulary
     ``vocab_size`` (default: its saved tokenizer's)."""
@@ -485,7 +280,7 @@ class TrainingWeights:
         return [n.removeprefix(self.prefix) for n in names if n.startswith(self.prefix)]
 
     def shapes(self, names: list[str]) -> dict[str, tuple[int, ...]]:
-        found = self.checkpoint.names(self._lm(names))
+        found = self.checkpoint.shapes(self._lm(names))
         return {self.prefix + n: shape for n, shape in found.items()}
 
     def stray(self, names: list[str]) -> list[str]:
