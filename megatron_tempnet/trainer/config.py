@@ -108,6 +108,13 @@ class OptimizerConfig:
     """AdamW's epsilon."""
     clip_grad: float = 1.0
     """Scale the gradients down to this global norm when it is larger (0 = no clipping)."""
+    override_opt_param_scheduler: bool = False
+    """On resume, keep this run's learning-rate schedule (its peak, floor, warm-up, decay,
+    style and weight decay) where the checkpoint's differs. Without it or
+    --use-checkpoint-opt-param-scheduler a difference stops the run (Megatron-LM's rule)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, take the learning-rate schedule (peak, floor, warm-up, decay, style and
+    weight decay) from the checkpoint instead of the command line."""
 
 
 @dataclass

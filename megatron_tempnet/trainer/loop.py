@@ -24,7 +24,7 @@ from megatron_tempnet.trainer.preemption import EXIT_REQUEUE, StopRequests
 from megatron_tempnet.trainer.profiling import RunHooks
 from megatron_tempnet.trainer.run_lock import RunLock
 from megatron_tempnet.trainer.run_logger import RunLogger, memory_mb
-from megatron_tempnet.trainer.schedule import LRSchedule, TrainSchedule
+from megatron_tempnet.trainer.schedule import LRSchedule, TrainSchedule, resumed_settings
 from megatron_tempnet.trainer.stats import read_step
 from megatron_tempnet.trainer.step import check_finite, compute_device
 from megatron_tempnet.trainer.task import Task, TaskData
@@ -71,8 +71,12 @@ def _train(
     engine, optimizer = build_engine(model, config, world_size)
     checkpointer = Checkpointer(engine, model, config)
     start, data_state, schedule_state = _resume(checkpointer, data)
-    _save_config(config)
     t, ckpt = config.training, config.checkpoint
+    schedule = TrainSchedule(t.batch_schedule(), LRSchedule.from_config(config.optimizer, t))
+    schedule.load_state_dict(schedule_state, data_state.consumed_samples)
+    saved = (schedule_state or {}).get("settings")
+    resumed_settings(schedule, optimizer, saved, config.optimizer, f"--load {ckpt.load}")
+    _save_config(config)
     loader = ResumableLoader(
         data.train,
         data_state,
@@ -81,8 +85,6 @@ def _train(
         parallel_state.get_data_parallel_world_size(),
         num_workers=t.num_workers,
     )
-    schedule = TrainSchedule(t.batch_schedule(), LRSchedule.from_config(config.optimizer, t))
-    schedule.load_state_dict(schedule_state, data_state.consumed_samples)
     per_micro_batch = t.micro_batch_size * parallel_state.get_data_parallel_world_size()
     run_log = RunLogger(config.logging, start, json.loads(config.to_json()))
     step = task.build_step(engine, optimizer, config, data)
@@ -135,7 +137,7 @@ def _train(
         # Megatron-LM's rule: a checkpoint before the ramp changes the number of micro-batches
         ramps = schedule.batches.batch_size(loader.state().consumed_samples) != batch
         if ckpt.save and (result.stopped or _should_save(iteration, config) or ramps):
-            _save(checkpointer, config, iteration, loader, data, schedule)
+            _save(checkpointer, config, iteration, loader, data, schedule, optimizer)
         if result.stopped:
             log_rank0(
                 "%s: stopped after iteration %d at a checkpoint; exit status %d asks for a requeue",
@@ -209,10 +211,11 @@ def _save(
     loader,
     data: TaskData,
     schedule: TrainSchedule,
+    optimizer,
 ) -> None:
     client = {
         "data": loader.state().state_dict(),
-        "schedule": schedule.state_dict(),
+        "schedule": schedule.state_dict(optimizer),
         "config": json.loads(config.to_json()),
     }
     rank_state = None if data.rank_state is None else data.rank_state.state_dict()

@@ -27,10 +27,16 @@ Each optimizer group has its own peak and floor (TempNet's --tempnet-lr); all sh
 except a group kept at its peak throughout (TempNet's with --tempnet-constant-lr).
 ``validate_schedule`` checks the flags as Megatron-LM asserts them (one unit per run: iterations
 or samples), with errors that name them.
+
+**Resume.** Every checkpoint records the schedule (``settings``: the shape and each group's peak,
+floor and weight decay). A resume whose flags give another one stops, naming the first
+difference, unless --use-checkpoint-opt-param-scheduler takes the checkpoint's or
+--override-opt-param-scheduler keeps the run's (``resumed_settings``, Megatron-LM's rule).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -154,6 +160,11 @@ def validate_schedule(o, t, dp: int) -> None:
     validate_rampup(t, dp)
     _validate_length(o, t)
     _validate_lr(o, t)
+    if o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler:
+        raise ConfigError(
+            "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler choose "
+            "opposite schedules on resume: give one"
+        )
 
 
 def validate_rampup(t, dp: int) -> None:
@@ -304,10 +315,69 @@ class TrainSchedule:
         if applied:
             self.stepped_samples += self.batch
 
-    def state_dict(self) -> dict:
-        return {"stepped_samples": self.stepped_samples}
+    def state_dict(self, optimizer=None) -> dict:
+        """The position; with ``optimizer``, the ``settings`` a resume compares."""
+        state = {"stepped_samples": self.stepped_samples}
+        if optimizer is not None:
+            state["settings"] = settings(self.lr, optimizer)
+        return state
 
     def load_state_dict(self, state: dict | None, consumed_samples: int) -> None:
         """From a checkpoint; one saved before the schedule was recorded stepped on every
         sample it consumed."""
         self.stepped_samples = int((state or {}).get("stepped_samples", consumed_samples))
+
+
+_GROUP_VALUES = ("max_lr", "min_lr", "weight_decay")
+
+
+def settings(lr: LRSchedule, optimizer) -> dict:
+    """What a resume compares: the schedule's shape, and each group's peak, floor and weight
+    decay (by the group's name)."""
+    groups = {
+        g.get("name", str(i)): {k: g[k] for k in _GROUP_VALUES}
+        for i, g in enumerate(optimizer.param_groups)
+    }
+    return {"lr_schedule": dataclasses.asdict(lr), "groups": groups}
+
+
+def _differences(saved: dict, mine: dict) -> list[str]:
+    out = []
+    for key, value in mine["lr_schedule"].items():
+        if key in saved["lr_schedule"] and saved["lr_schedule"][key] != value:
+            out.append(f"{key} {saved['lr_schedule'][key]} (this run: {value})")
+    for name, values in mine["groups"].items():
+        for key, value in values.items():
+            theirs = saved["groups"].get(name, {}).get(key, value)
+            if theirs != value:
+                out.append(f"the {name} group's {key} {theirs} (this run: {value})")
+    return out
+
+
+def resumed_settings(
+    schedule: TrainSchedule, optimizer, saved: dict | None, opt, source: str
+) -> None:
+    """Megatron-LM's rule for the schedule of a resume: the checkpoint's ``saved`` settings
+    and the run's must agree, unless ``opt`` (``OptimizerConfig``) says whose to keep. With
+    --use-checkpoint-opt-param-scheduler the checkpoint's are set on ``schedule`` and
+    ``optimizer``'s groups."""
+    if not saved:  # --finetune, another framework's checkpoint, or none recorded
+        return
+    differ = _differences(saved, settings(schedule.lr, optimizer))
+    if not differ:
+        return
+    if opt.override_opt_param_scheduler:
+        log_rank0("--override-opt-param-scheduler: this run's %s", "; ".join(differ))
+        return
+    if not opt.use_checkpoint_opt_param_scheduler:
+        raise ConfigError(
+            f"{source}: the checkpoint's learning-rate schedule has {differ[0]}"
+            f"{f' ({len(differ) - 1} more)' if len(differ) > 1 else ''}: give the flags it was "
+            "saved with, --use-checkpoint-opt-param-scheduler to take the checkpoint's, or "
+            "--override-opt-param-scheduler to keep this run's"
+        )
+    log_rank0("--use-checkpoint-opt-param-scheduler: the checkpoint's %s", "; ".join(differ))
+    schedule.lr = LRSchedule(**saved["lr_schedule"])
+    for i, group in enumerate(optimizer.param_groups):
+        values = saved["groups"].get(group.get("name", str(i)), {})
+        group.update({k: v for k, v in values.items() if k in _GROUP_VALUES})

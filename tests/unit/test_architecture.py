@@ -203,7 +203,7 @@ def _options(parser) -> dict[str, str]:
 GPT_FLAGS = """adam-beta1 adam-beta2 adam-eps async-save checkpoint-timeout-minutes
 decoupled-lr decoupled-min-lr deepspeed-activation-checkpointing checkpoint-activations
 checkpoint-num-layers partition-activations contigious-checkpointing synchronize-each-layer
-no-pipeline-parallel
+no-pipeline-parallel override-opt-param-scheduler use-checkpoint-opt-param-scheduler
 ckpt-assume-constant-structure ckpt-digest
 ckpt-format ckpt-fully-parallel-load no-ckpt-fully-parallel-save use-persistent-ckpt-worker
 apply-layernorm-1p apply-query-key-layer-scaling
@@ -238,7 +238,7 @@ use-distributed-optimizer use-flash-attn use-mcore-models use-pytorch-profiler u
 use-rotary-position-embeddings use-tempnet vocab-file vocab-size wandb-entity wandb-exp-name
 wandb-project wandb-save-dir weight-decay yaml-cfg zero-stage"""
 CLIP_FLAGS = """adam-beta1 adam-beta2 adam-eps async-save checkpoint-timeout-minutes ckpt-digest
-ckpt-format
+ckpt-format override-opt-param-scheduler use-checkpoint-opt-param-scheduler
  attention-backend bf16 caption-key caption-noise
 clip-grad clip-loss context-length data-cache-path deepspeed-config deepspeed_config
 distributed-timeout-minutes embed-dim empty-unused-memory-level eval-batch-size eval-interval

@@ -15,7 +15,7 @@ from megatron_tempnet.trainer.config import (
     RunConfig,
     TrainingConfig,
 )
-from megatron_tempnet.trainer.schedule import LRSchedule, TrainSchedule
+from megatron_tempnet.trainer.schedule import LRSchedule, TrainSchedule, resumed_settings
 from megatron_tempnet.trainer.validation import validate_run
 
 PEAK, FLOOR, INIT = 3e-4, 3e-5, 1e-5
@@ -29,8 +29,14 @@ class Groups:
 
     def __init__(self):
         self.param_groups = [
-            {"name": "lm", "max_lr": PEAK, "min_lr": FLOOR, "schedule": "lm"},
-            {"name": "tempnet", "max_lr": 10 * PEAK, "min_lr": 10 * FLOOR, "schedule": "tempnet"},
+            {"name": "lm", "max_lr": PEAK, "min_lr": FLOOR, "schedule": "lm", "weight_decay": 0.1},
+            {
+                "name": "tempnet",
+                "max_lr": 10 * PEAK,
+                "min_lr": 10 * FLOOR,
+                "schedule": "tempnet",
+                "weight_decay": 0.0,
+            },
         ]
 
 
@@ -189,6 +195,46 @@ def test_the_schedule_resumes_where_it_stopped():
     old = TrainSchedule(training.batch_schedule(), lr)
     old.load_state_dict(None, 56)
     assert old.state_dict() == {"stepped_samples": 56}
+
+
+def test_a_resume_keeps_its_schedule_unless_a_flag_says_whose():
+    """Megatron-LM's rule for the scheduler of a resume: the checkpoint's peak, floor, lengths,
+    style and weight decay must be the run's; --use-checkpoint-opt-param-scheduler takes the
+    checkpoint's (the lrs then follow Megatron-LM's formula of the saved flags),
+    --override-opt-param-scheduler keeps the run's."""
+    training = TrainingConfig(train_iters=ITERS, global_batch_size=GBS)
+    flags = dict(**LR, **LENGTHS, lr_decay_style="cosine")
+    first = OptimizerConfig(**flags)
+    saved = TrainSchedule(training.batch_schedule(), LRSchedule.from_config(first, training))
+    settings = saved.state_dict(Groups())["settings"]
+    resumed_settings(saved, Groups(), settings, first, "--load X")  # the same: nothing to do
+
+    def resume(**override):
+        opt = OptimizerConfig(**{**flags, "lr": 2 * PEAK, "lr_decay_iters": 2 * DECAY, **override})
+        schedule = TrainSchedule(training.batch_schedule(), LRSchedule.from_config(opt, training))
+        groups = Groups()
+        groups.param_groups[0]["max_lr"] = 2 * PEAK
+        resumed_settings(schedule, groups, settings, opt, "--load X")
+        return schedule, groups
+
+    with pytest.raises(ConfigError) as e:
+        resume()
+    assert str(e.value).startswith(
+        f"--load X: the checkpoint's learning-rate schedule has decay {DECAY * GBS} (this run: "
+        f"{2 * DECAY * GBS}) (1 more): give the flags it was saved with, "
+        "--use-checkpoint-opt-param-scheduler"
+    )
+    schedule, groups = resume(override_opt_param_scheduler=True)
+    assert schedule.lr.decay == 2 * DECAY * GBS and groups.param_groups[0]["max_lr"] == 2 * PEAK
+    schedule, groups = resume(use_checkpoint_opt_param_scheduler=True)
+    assert groups.param_groups[0]["max_lr"] == PEAK
+    for k in (0, 5, 10, 40, 80, 90):
+        schedule.stepped_samples = k * GBS
+        lr = schedule.set_learning_rates(groups)["lr"]
+        assert lr == pytest.approx(reference("cosine", k), rel=1e-12), k
+    with pytest.raises(ConfigError, match="choose opposite schedules on resume: give one"):
+        both = dict(override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True)
+        validate_run(RunConfig(training=training, optimizer=OptimizerConfig(**flags, **both)), 1)
 
 
 def megatron_ramp(consumed: int, start: int, increment: int, samples: int, gbs: int) -> int:
