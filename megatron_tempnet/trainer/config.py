@@ -108,7 +108,7 @@ class OptimizerConfig:
     """AdamW's epsilon."""
     clip_grad: float = 1.0
     """Scale the gradients down to this global norm when it is larger (0 = no clipping)."""
-    override_opt_param_scheduler: bool = False
+    override_opt_param_scheduler: bool = option(False, aliases=("--override-opt_param-scheduler",))
     """On resume, keep this run's learning-rate schedule (its peak, floor, warm-up, decay,
     style and weight decay) where the checkpoint's differs. Without it or
     --use-checkpoint-opt-param-scheduler a difference stops the run (Megatron-LM's rule)."""
@@ -143,6 +143,16 @@ class TrainingConfig:
     """Train in bfloat16 (DeepSpeed's bf16 optimizer keeps float32 master weights)."""
     fp16: bool = False
     """Train in float16 with loss scaling (GPU only)."""
+    loss_scale: float | None = None
+    """With --fp16: a static loss scale (a positive power of 2) instead of the dynamic one."""
+    initial_loss_scale: float = 2.0**32
+    """With --fp16: the dynamic loss scale's first value (a power of 2)."""
+    min_loss_scale: float = 1.0
+    """With --fp16: the dynamic loss scale's floor."""
+    loss_scale_window: float = 1000
+    """With --fp16: steps without an overflow after which the dynamic loss scale doubles."""
+    hysteresis: int = 2
+    """With --fp16: overflows the dynamic loss scale takes before it halves."""
     grad_reduce_in_bf16: bool = False
     """Under --bf16, accumulate the micro-batches' gradients and reduce them over the
     data-parallel ranks in bfloat16 (DeepSpeed's data_types.grad_accum_dtype and

@@ -9,6 +9,7 @@ own peak learning rate, floor and weight decay; every group follows the run's sc
 from __future__ import annotations
 
 import json
+import math
 import os
 from datetime import timedelta
 from types import SimpleNamespace
@@ -146,8 +147,20 @@ def deepspeed_config(config: RunConfig, world_size: int) -> dict:
     if t.fp16:
         if not torch.cuda.is_available():
             raise ConfigError("--fp16 needs a GPU (DeepSpeed has no fp16 on CPU): use --bf16")
-        base["fp16"] = dict(base.get("fp16", {}), enabled=True)
+        base["fp16"] = {**fp16_section(t), **base.get("fp16", {}), "enabled": True}
     return base
+
+
+def fp16_section(t) -> dict:
+    """DeepSpeed's fp16 entries for Megatron-LM's loss-scale flags (a ``TrainingConfig``):
+    ``loss_scale`` 0 is DeepSpeed's dynamic scaling."""
+    return {
+        "loss_scale": t.loss_scale or 0,
+        "initial_scale_power": int(math.log2(t.initial_loss_scale)),
+        "loss_scale_window": int(t.loss_scale_window),
+        "hysteresis": t.hysteresis,
+        "min_loss_scale": t.min_loss_scale,
+    }
 
 
 def _log_communication(config: RunConfig, ds_config: dict) -> None:

@@ -27,8 +27,12 @@ _TE = "Transformer Engine is not used: the layers are megatron-core's local ones
 _VPP = "interleaved (virtual) pipeline stages are not built: one pipeline stage per rank"
 _MLA = "multi-latent attention is not built"
 
+_DATA_EFFICIENCY = "DeepSpeed's data-efficiency library (curriculum, random-LTD) is not built"
+_TOKENS = "token-based lengths and schedules are not built: use --train-samples, --lr-*-samples"
+_FIXED_INDEX = (
+    "fixed dataset index files are not read: the indices are built from --data-path and --seed"
+)
 REFUSED: dict[str, str] = {
-    "--num-experts": _MOE,
     "--expert-tensor-parallel-size": _MOE,
     "--fp8": _FP8,
     "--tp-comm-overlap": "Transformer Engine's TP communication overlap is not built",
@@ -41,6 +45,17 @@ REFUSED: dict[str, str] = {
     "--use-legacy-models": "the layers are megatron-core's (Megatron-LM's legacy models are not)",
     "--step-batch-size-schedule": "batch-size schedules: use --rampup-batch-size",
     "--spec": "custom layer specs are not loaded from the command line",
+    "--activations-checkpoint-method": "Megatron-LM's name before 2022: --recompute-method",
+    "--cpu-optimizer": "the optimizer on the CPU (ZeRO-Offload) is not built",
+    "--data-efficiency-curriculum-learning": _DATA_EFFICIENCY,
+    "--random-ltd": _DATA_EFFICIENCY,
+    "--train-tokens": _TOKENS,
+    "--lr-decay-tokens": _TOKENS,
+    "--lr-warmup-tokens": _TOKENS,
+    "--train-doc-idx-path": _FIXED_INDEX,
+    "--train-sample-idx-path": _FIXED_INDEX,
+    "--train-shuffle-idx-path": _FIXED_INDEX,
+    "--universal-checkpoint": "DeepSpeed's universal checkpoints are not read",
 }
 """Flags of features that are not built, with the reason."""
 
@@ -48,6 +63,9 @@ REFUSED_PREFIXES: dict[str, str] = {
     "--moe-": _MOE,
     "--fp8-": _FP8,
     "--te-": _TE,
+    "--ds-sequence-parallel-": "DeepSpeed-Ulysses sequence parallelism is not built (Megatron's "
+    "--sequence-parallel is)",
+    "--enable-zbh1-": "the zero-bubble pipeline schedule is not built (DeepSpeed's 1F1B is used)",
 }
 """Flag families of features that are not built."""
 
@@ -84,6 +102,15 @@ class RunSpellings:
     megatron-core's own layers (Transformer Engine is not used)."""
     expert_model_parallel_size: int = 1
     """Megatron-LM: expert-parallel ranks. Here: 1 only (mixture of experts is not built)."""
+    num_experts: tuple[int, ...] | None = option(None, metavar="N")
+    """Megatron-LM: experts per MoE layer (Megatron-DeepSpeed: per layer group, 1 = dense).
+    Here: 1 only, a dense model (mixture of experts is not built)."""
+    create_moe_param_group: bool = False
+    """Megatron-DeepSpeed: a separate optimizer group for the experts' parameters. Here: no
+    effect (no experts)."""
+    moe_token_dropping: bool = option(True, name="--disable-moe-token-dropping")
+    """Megatron-DeepSpeed: keep every token routed to an expert. Here: no effect (no
+    experts)."""
     gradient_accumulation_fusion: bool = option(True, name="--no-gradient-accumulation-fusion")
     """Megatron-LM: turn off apex's fused weight-gradient accumulation. Here: no effect (the
     weight gradients are accumulated by autograd, never by that fusion)."""
@@ -135,6 +162,37 @@ class RunSpellings:
     synchronize_each_layer: bool = False
     """Megatron-DeepSpeed: wait for the device before and after each recomputed layer (for
     profiling). Here: no effect (no per-layer host waits)."""
+    checkpoint_in_cpu: bool = False
+    """Megatron-DeepSpeed: keep the recomputed layers' saved inputs in host memory. Here: not
+    built; they stay on the device (more device memory than Megatron-DeepSpeed, the same
+    training)."""
+    ddp_impl: str = option("local", name="--DDP-impl", choices=("local", "torch"))
+    """Megatron-LM (older) and Megatron-DeepSpeed: the data-parallel wrapper. Here: no effect
+    (DeepSpeed's engine reduces the gradients)."""
+    async_tensor_model_parallel_allreduce: bool = option(
+        True, name="--no-async-tensor-model-parallel-allreduce"
+    )
+    """Megatron-DeepSpeed: do not overlap the tensor-parallel all-reduce of a column-parallel
+    layer's input gradient with its weight gradient. Here: no effect on the results
+    (megatron-core's layers schedule that all-reduce)."""
+    log_batch_size_to_tensorboard: bool = False
+    """Megatron-LM: write the global batch size to TensorBoard. Here: always
+    (global_batch_size, with --tensorboard-dir)."""
+    log_validation_ppl_to_tensorboard: bool = False
+    """Megatron-LM: write the validation perplexity to TensorBoard. Here: always (val_ppl and
+    the T-LLM val_tllm_ppl, with --tensorboard-dir)."""
+    log_timers_to_tensorboard: bool = False
+    """Megatron-LM: write its per-phase timers to TensorBoard. Here: no effect (no per-phase
+    timers; the throughput of each logging interval is written)."""
+    log_optimizer_states_to_tensorboard: bool = False
+    """Megatron-DeepSpeed: write statistics of the optimizer's moments to TensorBoard. Here: no
+    effect (the learning rates and the gradient norm are written)."""
+    tensorboard_queue_size: int = 1000
+    """Megatron-LM: TensorBoard's queue of pending events. Here: no effect (the writer is
+    flushed at every logging interval)."""
+    timing_log_level: int = option(0, choices=(0, 1, 2))
+    """Megatron-LM: how many phases to time. Here: no effect (no per-phase timers; the
+    throughput of each logging interval is logged, as at Megatron-LM's level 0)."""
     no_pipeline_parallel: bool = False
     """Megatron-DeepSpeed: build the model without DeepSpeed's pipeline module. Here: one
     pipeline stage, as --pipeline-model-parallel-size 1 is (a larger one is refused)."""
@@ -179,6 +237,8 @@ def problems(args: argparse.Namespace) -> list[str]:
         out.append(f"--transformer-impl {args.transformer_impl}: {_TE}")
     if args.expert_model_parallel_size != 1:
         out.append(f"--expert-model-parallel-size {args.expert_model_parallel_size}: {_MOE}")
+    if any(n != 1 for n in args.num_experts or ()):
+        out.append(f"--num-experts {' '.join(map(str, args.num_experts))}: {_MOE}")
     pp = getattr(args, "pipeline_model_parallel_size", 1)
     if args.no_pipeline_parallel and pp != 1:
         out.append(f"--no-pipeline-parallel: contradicts --pipeline-model-parallel-size {pp}")
@@ -211,4 +271,8 @@ def shown(cls: type, name: str, args: argparse.Namespace) -> str:
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     flag = flag_name(f)
     value = getattr(args, flag.lstrip("-").replace("-", "_"))
-    return flag if isinstance(value, bool) else f"{flag} {value}"
+    if isinstance(value, bool):
+        return flag
+    if isinstance(value, (tuple, list)):
+        return f"{flag} {' '.join(map(str, value))}"
+    return f"{flag} {value}"

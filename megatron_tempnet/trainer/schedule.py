@@ -341,11 +341,23 @@ def settings(lr: LRSchedule, optimizer) -> dict:
     return {"lr_schedule": dataclasses.asdict(lr), "groups": groups}
 
 
+_SHAPE_NAMES = {
+    "style": "--lr-decay-style",
+    "warmup": "warm-up samples",
+    "decay": "decay samples (--lr-decay-iters or --train-iters x the global batch, or "
+    "--lr-decay-samples)",
+    "init_lr": "--lr-warmup-init",
+    "wsd_style": "--lr-wsd-decay-style",
+    "wsd_decay": "WSD decay samples",
+}
+
+
 def _differences(saved: dict, mine: dict) -> list[str]:
     out = []
     for key, value in mine["lr_schedule"].items():
         if key in saved["lr_schedule"] and saved["lr_schedule"][key] != value:
-            out.append(f"{key} {saved['lr_schedule'][key]} (this run: {value})")
+            name = _SHAPE_NAMES.get(key, key)
+            out.append(f"{name} {saved['lr_schedule'][key]} (this run: {value})")
     for name, values in mine["groups"].items():
         for key, value in values.items():
             theirs = saved["groups"].get(name, {}).get(key, value)

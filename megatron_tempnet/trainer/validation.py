@@ -5,6 +5,7 @@ the fix; derived defaults (the global batch, the run's length in samples) are fi
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError, latest_tag
@@ -57,6 +58,7 @@ def validate_run(config: RunConfig, world_size: int) -> None:
         )
     if t.bf16 and t.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive")
+    _check_loss_scaling(t)
     if t.num_workers < 0:
         raise ConfigError(f"--num-workers ({t.num_workers}) must be >= 0")
     validate_schedule(o, t, dp)
@@ -210,3 +212,24 @@ def _validate_logging(log: LoggingConfig) -> None:
             f"--wandb-project {log.wandb_project} needs the wandb package: "
             "pip install 'megatron-tempnet[wandb]' (or pip install wandb)"
         )
+
+
+def _is_power_of_two(x: float) -> bool:
+    return x > 0 and math.frexp(x)[0] == 0.5
+
+
+def _check_loss_scaling(t) -> None:
+    """fp16's loss-scale flags as DeepSpeed takes them (powers of 2 for the scales)."""
+    if t.loss_scale is not None and not _is_power_of_two(t.loss_scale):
+        raise ConfigError(f"--loss-scale ({t.loss_scale:g}) must be a positive power of 2")
+    if not _is_power_of_two(t.initial_loss_scale):
+        raise ConfigError(
+            f"--initial-loss-scale ({t.initial_loss_scale:g}) must be a positive power of 2"
+        )
+    for flag, value in (
+        ("--min-loss-scale", t.min_loss_scale),  # DeepSpeed's scaler takes whole numbers
+        ("--loss-scale-window", t.loss_scale_window),
+        ("--hysteresis", t.hysteresis),
+    ):
+        if value < 1 or value != int(value):
+            raise ConfigError(f"{flag} ({value:g}) must be a whole number >= 1")

@@ -204,6 +204,12 @@ GPT_FLAGS = """adam-beta1 adam-beta2 adam-eps async-save checkpoint-timeout-minu
 decoupled-lr decoupled-min-lr deepspeed-activation-checkpointing checkpoint-activations
 checkpoint-num-layers partition-activations contigious-checkpointing synchronize-each-layer
 no-pipeline-parallel override-opt-param-scheduler use-checkpoint-opt-param-scheduler
+DDP-impl checkpoint-in-cpu create-moe-param-group disable-moe-token-dropping num-experts
+hysteresis initial-loss-scale loss-scale loss-scale-window min-loss-scale
+log-batch-size-to-tensorboard log-optimizer-states-to-tensorboard log-timers-to-tensorboard
+log-validation-ppl-to-tensorboard tensorboard-queue-size timing-log-level
+no-async-tensor-model-parallel-allreduce override-opt_param-scheduler
+rotary-position-embeddings-theta use-flash-attn-triton use-flash-attn-v2
 ckpt-assume-constant-structure ckpt-digest
 ckpt-format ckpt-fully-parallel-load no-ckpt-fully-parallel-save use-persistent-ckpt-worker
 apply-layernorm-1p apply-query-key-layer-scaling
@@ -239,6 +245,8 @@ use-rotary-position-embeddings use-tempnet vocab-file vocab-size wandb-entity wa
 wandb-project wandb-save-dir weight-decay yaml-cfg zero-stage"""
 CLIP_FLAGS = """adam-beta1 adam-beta2 adam-eps async-save checkpoint-timeout-minutes ckpt-digest
 ckpt-format override-opt-param-scheduler use-checkpoint-opt-param-scheduler
+override-opt_param-scheduler hysteresis initial-loss-scale loss-scale loss-scale-window
+min-loss-scale
  attention-backend bf16 caption-key caption-noise
 clip-grad clip-loss context-length data-cache-path deepspeed-config deepspeed_config
 distributed-timeout-minutes embed-dim empty-unused-memory-level eval-batch-size eval-interval

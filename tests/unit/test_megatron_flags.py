@@ -265,3 +265,62 @@ def test_the_flag_table_in_the_docs_is_current():
     path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "megatron_flags.md")
     with open(path) as f:
         assert f.read() == markdown(), "docs/megatron_flags.md is stale: run make docs"
+
+
+def test_flags_of_megatron_deepspeeds_example_scripts(caplog):
+    """The flags Megatron-DeepSpeed's GPT example scripts pass beyond the launch-script test's:
+    other spellings map to this project's flags, dense-model MoE flags and logging flags say
+    what they do here, and the features that are not built are refused all at once."""
+    argv = RUN + SHAPE + [
+        "--position-embedding-type", "rope", "--rotary-position-embeddings-theta", "500000",
+        "--use-flash-attn-v2", "--override-opt_param-scheduler", "--num-experts", "1",
+        "--create-moe-param-group", "--disable-moe-token-dropping", "--checkpoint-in-cpu",
+        "--DDP-impl", "local", "--no-async-tensor-model-parallel-allreduce",
+        "--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+        "--log-timers-to-tensorboard", "--log-optimizer-states-to-tensorboard",
+        "--tensorboard-queue-size", "1", "--timing-log-level", "2",
+    ]  # fmt: skip
+    config, lines = parse(argv, caplog)
+    assert config.model.rotary_base == 500000 and config.optimizer.override_opt_param_scheduler
+    for flag in ("--use-flash-attn", "--num-experts 1", "--checkpoint-in-cpu", "--DDP-impl local"):
+        assert sum(line.startswith(flag) for line in lines) == 1, (flag, lines)
+    assert any(line.startswith("--log-timers-to-tensorboard: no effect") for line in lines)
+    assert "--num-experts 2 4: mixture of experts is not built" in refusal(
+        RUN + SHAPE + ["--num-experts", "2", "4"]
+    )
+    refused = refusal(
+        RUN + SHAPE + ["--cpu-optimizer", "--ds-sequence-parallel-size", "4", "--random-ltd",
+                       "--lr-decay-tokens", "100", "--universal-checkpoint",
+                       "--activations-checkpoint-method", "uniform"]
+    )  # fmt: skip
+    for flag, why in [
+        ("--cpu-optimizer", "ZeRO-Offload"),
+        ("--ds-sequence-parallel-size", "DeepSpeed-Ulysses"),
+        ("--random-ltd", "data-efficiency"),
+        ("--lr-decay-tokens", "token-based"),
+        ("--universal-checkpoint", "universal checkpoints"),
+        ("--activations-checkpoint-method", "--recompute-method"),
+    ]:
+        assert flag in refused and why in refused, (flag, refused)
+
+
+def test_fp16_loss_scaling_flags_reach_deepspeed_with_megatrons_defaults():
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+
+    from megatron_tempnet.trainer.config import ConfigError, RunConfig, TrainingConfig
+    from megatron_tempnet.trainer.engine import fp16_section
+    from megatron_tempnet.trainer.validation import validate_run
+
+    dynamic = DeepSpeedFP16Config(enabled=True, **fp16_section(TrainingConfig()))
+    assert dynamic.initial_dynamic_scale() == 2**32  # Megatron-LM's --initial-loss-scale
+    assert (dynamic.loss_scale, dynamic.loss_scale_window, dynamic.hysteresis) == (0, 1000, 2)
+    assert dynamic.min_loss_scale == 1
+    static = TrainingConfig(loss_scale=4096.0, hysteresis=3)
+    assert DeepSpeedFP16Config(enabled=True, **fp16_section(static)).loss_scale == 4096
+    for bad, message in [
+        (dict(loss_scale=3000.0), r"--loss-scale \(3000\) must be a positive power of 2"),
+        (dict(initial_loss_scale=1e9), r"--initial-loss-scale \(1e\+09\) must be a positive"),
+        (dict(min_loss_scale=0.5), r"--min-loss-scale \(0.5\) must be a whole number >= 1"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            validate_run(RunConfig(training=TrainingConfig(train_iters=1, **bad)), 1)

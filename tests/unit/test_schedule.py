@@ -220,7 +220,8 @@ def test_a_resume_keeps_its_schedule_unless_a_flag_says_whose():
     with pytest.raises(ConfigError) as e:
         resume()
     assert str(e.value).startswith(
-        f"--load X: the checkpoint's learning-rate schedule has decay {DECAY * GBS} (this run: "
+        "--load X: the checkpoint's learning-rate schedule has decay samples (--lr-decay-iters "
+        f"or --train-iters x the global batch, or --lr-decay-samples) {DECAY * GBS} (this run: "
         f"{2 * DECAY * GBS}) (1 more): give the flags it was saved with, "
         "--use-checkpoint-opt-param-scheduler"
     )

@@ -140,8 +140,8 @@ class ModelConfig(TransformerShape):
     """A separate output layer instead of the input embedding's weight (LLaMA)."""
     position_embedding_type: str = option("learned_absolute", choices=("learned_absolute", "rope"))
     """Learned absolute positions (GPT-2) or rotary embeddings (LLaMA)."""
-    rotary_base: int = 10000
-    """RoPE's base."""
+    rotary_base: int = option(10000, aliases=("--rotary-position-embeddings-theta",))
+    """RoPE's base (Megatron-DeepSpeed: --rotary-position-embeddings-theta)."""
     use_rope_scaling: bool = False
     """Scale RoPE's frequencies as LLaMA-3.1 and 3.2 do (Hugging Face's rope_type llama3), with
     the four --rope-scaling-* values."""

@@ -48,8 +48,9 @@ class GPTSpellings:
     kv_channels: int | None = None
     """Megatron-LM: each attention head's width (default: --hidden-size /
     --num-attention-heads). Here: that width only."""
-    use_flash_attn: bool = False
-    """Megatron-LM: FlashAttention. Here: --attention-backend flash (PyTorch's fused attention,
+    use_flash_attn: bool = option(False, aliases=("--use-flash-attn-v2", "--use-flash-attn-triton"))
+    """Megatron-LM: FlashAttention (Megatron-DeepSpeed: also --use-flash-attn-v2 and its Triton
+    version, --use-flash-attn-triton). Here: --attention-backend flash (PyTorch's fused attention,
     the flash kernel on GPUs)."""
     rotary_percent: float = 1.0
     """Megatron-LM: the share of each head RoPE rotates. Here: 1.0 only (partial RoPE is not
