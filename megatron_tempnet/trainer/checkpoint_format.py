@@ -87,12 +87,15 @@ def tag_for(iteration: int) -> str:
 
 
 def latest_tag(load_dir: str) -> str | None:
-    """The tag ``latest`` names, or None when there is no complete checkpoint."""
+    """The tag ``latest`` names, or None when there is no complete checkpoint (or ``latest`` is
+    DeepSpeed's, naming a Megatron-DeepSpeed ``global_stepN``: not a checkpoint of this
+    project)."""
     path = os.path.join(load_dir, LATEST)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        return f.read().strip() or None
+        tag = f.read().strip()
+    return None if not tag or tag.startswith("global_step") else tag
 
 
 def publish_latest(save_dir: str, tag: str) -> None:

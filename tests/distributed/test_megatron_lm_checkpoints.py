@@ -1,6 +1,7 @@
 """Megatron-LM's checkpoints load here at another layout: megatron-core's own ``GPTModel`` (GPT-2
 and LLaMA shapes) saved at TP 2 and at TP 1 x PP 2 in Megatron-LM's torch_dist and legacy torch
-formats (``tests.helpers.megatron_lm``) gives, loaded here at TP 1 and TP 2, megatron-core's
+formats and in Megatron-DeepSpeed's (DeepSpeed's files, Megatron's legacy names; at PP 2 one
+file per layer) (``tests.helpers.megatron_lm``) gives, loaded here at TP 1 and TP 2, megatron-core's
 own logits; written back in torch_dist (tools/checkpoint/export_megatron_lm.py, from this
 project's format), megatron-core's ``dist_checkpointing.load`` gives a fresh ``GPTModel`` the
 same weights."""
@@ -18,6 +19,7 @@ from tests.helpers.shapes import parity_model
 
 SEQ, VOCAB = 16, 100
 IDS = VOCAB + 1  # NullTokenizer's ids: 0 .. VOCAB, VOCAB the end of document
+FORMATS = ("dist", "legacy", "deepspeed")  # torch_dist, torch, Megatron-DeepSpeed's
 
 
 def _tokens():
@@ -46,7 +48,9 @@ def _write_then_read(root: str, arch: str, tp: int, pp: int, read_tp: int) -> di
     args = megatron_lm.megatron_args(model, tp=tp, pp=pp, vocab_size=VOCAB)
     megatron_lm.save_torch_dist(gpt, args, os.path.join(root, "dist"))
     megatron_lm.save_legacy(gpt, args, os.path.join(root, "legacy"), te_names=arch == "llama")
-    out = {f: _ours(os.path.join(root, f), read_tp) for f in ("dist", "legacy")}
+    ds_args = megatron_lm.deepspeed_args(model, tp=tp, pp=pp, vocab_size=VOCAB)
+    megatron_lm.save_deepspeed(gpt, ds_args, os.path.join(root, "deepspeed"))
+    out = {f: _ours(os.path.join(root, f), read_tp) for f in FORMATS}
     out["reference"] = None if reference is None else reference[..., :IDS]
     out["exported"] = _export_and_reload(root, gpt, model, tp, pp)
     return out
@@ -99,5 +103,5 @@ def test_megatron_lm_checkpoints_give_megatron_cores_logits_at_another_layout(
     assert reference is not None and reference.shape == (2, SEQ, IDS)
     for rank in results:
         assert rank["exported"] and all(rank["exported"].values()), rank["exported"]
-        for fmt in ("dist", "legacy"):
+        for fmt in FORMATS:
             torch.testing.assert_close(rank[fmt], reference, rtol=1e-5, atol=1e-5)

@@ -1,9 +1,9 @@
 """Megatron-LM checkpoints in pretrain_gpt.py and the tools: megatron-core's own LLaMA-shaped
-``GPTModel`` saved at TP 2 in Megatron-LM's torch_dist and legacy torch formats (with the
-corpus' tokenizer in its args) trains TempNet here at another layout in setting (ii) (--load
---finetune) and setting (iii) (--pretrained-checkpoint, frozen LM); tools/generate.py and
-tools/evaluate.py read the Megatron-LM checkpoint, directly and behind a TempNet-only run,
-giving megatron-core's greedy tokens and cross-entropy."""
+``GPTModel`` saved at TP 2 in Megatron-LM's torch_dist and legacy torch formats and in
+Megatron-DeepSpeed's (with the corpus' tokenizer in its args) trains TempNet here at another
+layout in setting (ii) (--load --finetune) and setting (iii) (--pretrained-checkpoint, frozen
+LM); tools/generate.py and tools/evaluate.py read the Megatron-LM checkpoint, directly and behind
+a TempNet-only run, giving megatron-core's greedy tokens and CE."""
 
 from __future__ import annotations
 
@@ -47,6 +47,9 @@ def _write(root: str, vocab: int, spec: dict, documents: list[list[int]], prompt
     vars(args).update(spec)
     megatron_lm.save_torch_dist(gpt, args, os.path.join(root, "dist"))
     megatron_lm.save_legacy(gpt, args, os.path.join(root, "legacy"), te_names=True)
+    ds_args = megatron_lm.deepspeed_args(model, tp=2, pp=1, vocab_size=None)
+    vars(ds_args).update(spec)
+    megatron_lm.save_deepspeed(gpt, ds_args, os.path.join(root, "deepspeed"))
     ce = []
     for doc in documents:
         logits = megatron_lm.pipeline_logits(gpt, torch.tensor([doc]))[0, :-1, :vocab].double()
@@ -148,7 +151,8 @@ def test_setting_iii_trains_tempnet_on_a_frozen_legacy_checkpoint(mlm, tmp_path)
     assert _greedy(mlm, source, tmp_path, "--fixed-tau", 1) == mlm["greedy"]
     n = sum(len(d) - 1 for d in mlm["documents"])
     want = math.exp(mlm["ce"].sum().item() / n)
-    for load, flags in ((run, ()), (mlm["dir"] / "dist", ("--fixed-tau", 1))):
+    fixed = ("--fixed-tau", 1)
+    for load, flags in ((run, ()), (mlm["dir"] / "dist", fixed), (mlm["dir"] / "deepspeed", fixed)):
         got = _ppl(mlm, load, tmp_path, *flags)
         assert got["tokens"] == n and got["ppl"] == pytest.approx(want, rel=1e-5)
     # back to Megatron-LM: the LM from the checkpoint the run started from, TempNet beside it

@@ -98,7 +98,27 @@ def build_gpt_model(model, *, tp: int, pp: int, seed: int = 11):
     # tied embeddings at PP > 1: megatron-core all-reduces the output layer's copy over the
     # embedding group after moving it with ``.cuda()``, which stays on the CPU here
     with mock.patch.object(torch.Tensor, "cuda", lambda t, *a, **k: t):
-        return _gpt_model(model, config, tp)
+        gpt = _gpt_model(model, config, tp)
+    _distinct(gpt, seed)
+    return gpt
+
+
+def _distinct(gpt, seed: int) -> None:
+    """Give the tensors megatron-core initialises to constants (norms' ones, biases' zeros)
+    distinct values, so a tensor read in another's place changes the logits. A tensor split
+    over TP gets each rank's own values, a replicated one the same on every TP rank."""
+    import zlib
+
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, param in gpt.named_parameters():
+            if param.dim() != 1:
+                continue
+            split = getattr(param, "tensor_model_parallel", False)
+            key = f"{seed}/{stage}/{rank if split else '-'}/{name}"
+            gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+            param.add_(0.1 * torch.randn(param.shape, generator=gen))
 
 
 def _gpt_model(model, config, tp: int):
@@ -226,3 +246,93 @@ def save_legacy(gpt, args: argparse.Namespace, save_dir: str, *, te_names: bool 
     torch.save(record, os.path.join(directory, "model_optim_rng.pt"))
     assert tp * pp == dist.get_world_size()
     _publish(save_dir)
+
+
+# Megatron-DeepSpeed: Megatron's legacy model names, as megatron/model/{language_model,
+# transformer,gpt_model}.py name them, and DeepSpeed's files (``global_stepN``, ``latest``)
+DS_LAYER_NAMES = {
+    "self_attention.linear_qkv.": "self_attention.query_key_value.",
+    "self_attention.linear_proj.": "self_attention.dense.",
+    "pre_mlp_layernorm.": "post_attention_layernorm.",
+    "mlp.linear_fc1.": "mlp.dense_h_to_4h.",
+    "mlp.linear_fc2.": "mlp.dense_4h_to_h.",
+}
+
+
+def deepspeed_args(model, *, tp: int, pp: int, vocab_size: int) -> argparse.Namespace:
+    """The args Megatron-DeepSpeed saves for ``model``, under its own names."""
+    args = megatron_args(model, tp=tp, pp=pp, vocab_size=vocab_size)
+    for name in ("group_query_attention", "num_query_groups", "position_embedding_type",
+                 "rotary_base", "norm_epsilon", "transformer_impl", "spec"):  # fmt: skip
+        delattr(args, name)
+    rope = model.position_embedding_type == "rope"
+    vars(args).update(
+        num_key_value_heads=model.num_query_groups or model.num_attention_heads,
+        use_rotary_position_embeddings=rope,
+        add_position_embedding=not rope,
+        rope_theta=model.rotary_base,
+        normalization=model.normalization.lower(),
+        layernorm_epsilon=model.norm_epsilon,
+        num_experts=[1],
+        apply_residual_connection_post_layernorm=False,
+        deepspeed=True,
+    )
+    return args
+
+
+def _legacy_layer_name(rest: str) -> str:
+    for ours, theirs in DS_LAYER_NAMES.items():
+        if rest.startswith(ours):
+            return theirs + rest.removeprefix(ours)
+    return rest
+
+
+def save_deepspeed(gpt, args: argparse.Namespace, save_dir: str) -> None:
+    """Every rank: ``gpt`` as Megatron-DeepSpeed saves it through DeepSpeed (collective):
+    without pipeline stages the nested ``module`` in ``mp_rank_TT_model_states.pt``; with them
+    one ``layer_II-model_TT-model_states.pt`` per layer of ``GPTModelPipe`` (1: embedding,
+    2 .. L+1: layers, L+2: final norm, L+3: the untied output layer)."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    t = parallel_state.get_tensor_model_parallel_rank()
+    p = parallel_state.get_pipeline_model_parallel_rank()
+    layers, per = args.num_layers, args.num_layers // pp
+    directory = os.path.join(save_dir, f"global_step{ITERATION}")
+    os.makedirs(directory, exist_ok=True)
+    files: dict[int, dict] = {}
+    module = {"language_model": {"embedding": {}, "encoder": {}}}
+    lm = module["language_model"]
+    for key, value in gpt.state_dict().items():
+        if "_extra_state" in key:
+            continue
+        if key.startswith("embedding."):
+            part, _, leaf = key.removeprefix("embedding.").partition(".")
+            lm["embedding"].setdefault(part, {})[leaf] = value
+            files.setdefault(1, {})[f"{part}.{leaf}"] = value
+        elif key.startswith("decoder.layers."):
+            local, _, rest = key.removeprefix("decoder.layers.").partition(".")
+            i, rest = p * per + int(local), _legacy_layer_name(rest)
+            lm["encoder"][f"layers.{i}.{rest}"] = value
+            files.setdefault(2 + i, {})[rest] = value
+        elif key.startswith("decoder.final_layernorm."):
+            leaf = key.removeprefix("decoder.final_layernorm.")
+            lm["encoder"][f"final_layernorm.{leaf}"] = value
+            files.setdefault(layers + 2, {})[leaf] = value
+        elif key == "output_layer.weight" and args.untie_embeddings_and_output_weights:
+            lm["output_layer"] = {"weight": value}
+            files.setdefault(layers + 3, {})["lm_head.weight"] = value
+    if pp > 1:
+        for index, state in files.items():
+            torch.save(
+                state, os.path.join(directory, f"layer_{index:02d}-model_{t:02d}-model_states.pt")
+            )
+    if p == 0:
+        record = {"module": module if pp == 1 else None, "args": args, "iteration": ITERATION,
+                  "checkpoint_version": 3.0, "dp_world_size": 1, "mp_world_size": tp}  # fmt: skip
+        torch.save(record, os.path.join(directory, f"mp_rank_{t:02d}_model_states.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(save_dir, "latest"), "w") as f:
+            f.write(f"global_step{ITERATION}")
+        with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(ITERATION))
+    dist.barrier()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -101,3 +102,35 @@ def test_a_legacy_file_that_would_run_code_runs_none(tmp_path):
     loaded = load_foreign_file(str(path))
     assert isinstance(loaded["x"], Opaque) and not (tmp_path / "ran").exists()
     assert loaded["args"].num_layers == 2 and torch.equal(loaded["model"]["w"], torch.ones(2))
+
+
+def test_megatron_deepspeeds_args_give_the_same_model():
+    """Megatron-DeepSpeed saves the model under its own names (--layernorm-epsilon,
+    --num-key-value-heads, --use-rotary-position-embeddings, --rotary-position-embeddings-theta,
+    lower-case norms, experts per layer group)."""
+    from tests.helpers.megatron_lm import deepspeed_args
+
+    model = ModelConfig.from_preset("tiny", **LLAMA_SHAPE, vocab_size=101, rotary_base=500000)
+    ds = deepspeed_args(model, tp=1, pp=1, vocab_size=100)
+    assert not hasattr(ds, "num_query_groups") and ds.normalization == "rmsnorm"
+    assert ModelConfig(**model_fields(ds, SOURCE), vocab_size=101) == model
+    for change, named in [
+        (dict(add_position_embedding=True), "adds learned positions to RoPE"),
+        (dict(apply_residual_connection_post_layernorm=True), "the residual taken after the norm"),
+        (dict(num_experts=[1, 8]), "mixture of experts (--num-experts) (num_experts = 8)"),
+    ]:
+        with pytest.raises(CheckpointError, match=re.escape(named)):
+            model_fields(argparse.Namespace(**{**vars(ds), **change}), SOURCE)
+
+
+def test_a_megatron_deepspeed_save_directory_is_found_by_deepspeeds_latest(tmp_path):
+    from megatron_tempnet.trainer.checkpoint_format import latest_tag
+
+    (tmp_path / "latest").write_text("global_step40")
+    with pytest.raises(CheckpointError, match="names global_step40, which holds no mp_rank_XX"):
+        locate(str(tmp_path), SOURCE)
+    os.makedirs(tmp_path / "global_step40")
+    (tmp_path / "global_step40" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    found = locate(str(tmp_path), SOURCE)
+    assert (found.format, found.iteration) == ("deepspeed", "40")
+    assert latest_tag(str(tmp_path)) is None  # not a checkpoint of this project

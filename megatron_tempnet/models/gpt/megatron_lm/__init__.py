@@ -1,4 +1,5 @@
-"""Megatron-LM's GPT/LLaMA checkpoints, read without Megatron-LM, at any layout.
+"""Megatron-LM's (and Megatron-DeepSpeed's) GPT/LLaMA checkpoints, read without either, at any
+layout, and written back (``export``).
 
 Megatron-LM's ``--save DIR`` holds ``latest_checkpointed_iteration.txt`` (an iteration, or
 ``release``) naming ``DIR/iter_XXXXXXX/``, in one of two formats:
@@ -16,15 +17,20 @@ Megatron-LM's ``--save DIR`` holds ``latest_checkpointed_iteration.txt`` (an ite
   from 0 in every stage, its split tensors cut as megatron-core cuts them (``distributed.
   sharding`` merges them).
 
-Tensors are given under ``GPTStack``'s names (``checkpoint_io.lm_names``), full and with the
+Megatron-DeepSpeed's ``--save DIR`` holds DeepSpeed's ``latest`` naming ``DIR/global_stepN/``
+with ``mp_rank_TT_model_states.pt`` (the saved ``args``; without pipeline stages, the model) and,
+with pipeline stages, one ``layer_II-model_TT-model_states.pt`` per layer, under Megatron's
+legacy names (``rank_files``).
+
+Tensors are given under ``GPTStack``'s names (``state_names.lm_names``), full and with the
 vocabulary unpadded, so a checkpoint saved at any TP x PP loads at any other. The model comes
 from the saved ``args`` (``model_fields``); what ``GPTStack`` does not compute (experts, MLA,
 QK-norm, a custom layer spec, ...) is refused by name. Optimizer, RNG and data position are not
 read: a Megatron-LM checkpoint is a starting point (its weights), as with ``--finetune``.
 """
 
+from megatron_tempnet.models.gpt.megatron_lm.rank_files import TE_NORMS
 from megatron_tempnet.models.gpt.megatron_lm.reader import (
-    TE_NORMS,
     MegatronLMCheckpoint,
     TrainingWeights,
     check_same_model,

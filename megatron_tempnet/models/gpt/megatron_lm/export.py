@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import (
 from megatron_tempnet.distributed.sharding import split_kind
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.gpt.layers import PieceIndex
-from megatron_tempnet.models.gpt.megatron_lm.reader import TE_NORMS
+from megatron_tempnet.models.gpt.megatron_lm.rank_files import TE_NORMS
 from megatron_tempnet.models.gpt.megatron_lm.saved import TRACKER
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 from megatron_tempnet.trainer.file_io import FileWriter

@@ -3,42 +3,31 @@ layout; the same as a training run's starting weights."""
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from megatron_tempnet.distributed.sharding import full_shape, merge, split_kind
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.gpt.layers import PieceIndex
+from megatron_tempnet.models.gpt.megatron_lm.rank_files import (
+    DeepSpeedFiles,
+    LegacyFiles,
+    mcore_names,
+)
 from megatron_tempnet.models.gpt.megatron_lm.saved import (
+    DEEPSPEED,
     TORCH_DIST,
     Located,
     locate,
     model_fields,
-    rank_files,
     saved_args,
     tokenizer_spec,
     vocabulary,
 )
 from megatron_tempnet.models.gpt.state_names import lm_names
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError
-from megatron_tempnet.trainer.file_io import load_foreign_file
 
-TE_NORMS = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
-}
-"""``GPTStack``'s norm names -> Transformer Engine's spec (the norm fused into the linear)."""
 _MODEL_ROOTS = ("embedding", "decoder", "output_layer")
 """The first name part of a ``GPTModel`` tensor (the optimizer's and others' are not)."""
-_LEGACY_UNEVEN = (
-    "virtual_pipeline_model_parallel_size",
-    "decoder_first_pipeline_num_layers",
-    "decoder_last_pipeline_num_layers",
-)
-"""Pipeline splits whose legacy files number layers other than evenly per stage."""
 
 
 class MegatronLMCheckpoint:
@@ -52,20 +41,19 @@ class MegatronLMCheckpoint:
         self.located, self.source = located, source
         self.path = located.directory
         self._torch_dist = located.format == TORCH_DIST
-        if self._torch_dist:
-            from torch.distributed.checkpoint import FileSystemReader
-
-            self._saved = FileSystemReader(self.path).read_metadata().state_dict_metadata
-        else:
-            self._files = rank_files(self.path, source)
         self.args = saved_args(located, source)
         fields = model_fields(self.args, source)
         self.model = ModelConfig(**fields, vocab_size=vocab_size)
         self.tp = int(getattr(self.args, "tensor_model_parallel_size", 1) or 1)
         self.pp = int(getattr(self.args, "pipeline_model_parallel_size", 1) or 1)
         self._at = PieceIndex(self.model.num_layers)
-        if not self._torch_dist:
-            self._check_legacy_layout()
+        if self._torch_dist:
+            from torch.distributed.checkpoint import FileSystemReader
+
+            self._saved = FileSystemReader(self.path).read_metadata().state_dict_metadata
+        else:
+            files = DeepSpeedFiles if located.format == DEEPSPEED else LegacyFiles
+            self._files = files(self.path, source, self.args, self._at, self.tp, self.pp)
         self.config = {"model": self.model.__dict__.copy(), "tokenizer": tokenizer_spec(self.args)}
 
     def has_lm(self) -> bool:
@@ -86,19 +74,6 @@ class MegatronLMCheckpoint:
 
     # ------------------------------------------------------------- names and shapes
 
-    def _where(self, name: str) -> tuple[list[str], int | None]:
-        """megatron-core's candidate names of ``name`` and its layer (None: not a layer's)."""
-        piece, _, rest = name.removeprefix("pieces.").partition(".")
-        i = int(piece)
-        if i in (self._at.embedding, self._at.embedding_output):
-            return ["embedding." + rest], None
-        if i == self._at.final_norm:
-            return ["decoder.final_layernorm." + rest.removeprefix("norm.")], None
-        if i == self._at.output:
-            return [rest], None
-        rest = rest.removeprefix("layer.")
-        return [n for n in (rest, TE_NORMS.get(rest)) if n], i - 2
-
     def shape(self, name: str) -> tuple[int, ...] | None:
         """The full (unpadded) shape of ``name``; None when the checkpoint lacks it."""
         found = self._find(name)
@@ -108,8 +83,7 @@ class MegatronLMCheckpoint:
             key, layer = found
             shape = tuple(self._saved[key].size)[0 if layer is None else 1 :]
         else:
-            stage, key = found
-            shard = self._model_state(0, stage)[key]
+            shard = self._files.shard(found, 0)
             kind = split_kind(name)
             shape = full_shape(kind, shard.shape, self.tp, vocab_size=self.model.vocab_size)
         if split_kind(name) == "vocab":
@@ -129,39 +103,27 @@ class MegatronLMCheckpoint:
     def stray(self, wanted: list[str]) -> list[str]:
         """The checkpoint's model tensors that none of ``wanted`` reads (a bias this model
         lacks, say), under megatron-core's names."""
-        read = set() if self.model.untie_embeddings_and_output_weights else {"output_layer.weight"}
-        for n in wanted:
-            found = self._find(n)
-            if found is not None:
-                read.add(found[0] if self._torch_dist else _unnumbered(found[1]))
+        tied = not self.model.untie_embeddings_and_output_weights
         if self._torch_dist:
+            read = {found[0] for found in map(self._find, wanted) if found is not None}
             saved = {k for k, v in self._saved.items() if hasattr(v, "size")}
             model = {k for k in saved if k.split(".")[0] in _MODEL_ROOTS}
         else:
-            model = {
-                _unnumbered(k)
-                for s in range(self.pp)
-                for k, v in self._model_state(0, s).items()
-                if isinstance(v, torch.Tensor)
-            }
+            read = {self._files.key(f) for f in map(self._find, wanted) if f is not None}
+            read |= {self._files.tied_output} if tied and self._files.tied_output else set()
+            model = self._files.keys()
         return sorted(model - read)
 
     def _find(self, name: str):
-        names, layer = self._where(name)
-        if self._torch_dist:
-            for n in names:
-                if layer is not None and f"decoder.layers.{layer}.{n}" in self._saved:
-                    return f"decoder.layers.{layer}.{n}", None
-                key = n if layer is None else f"decoder.layers.{n}"
-                if key in self._saved and hasattr(self._saved[key], "size"):
-                    return key, layer
-            return None
-        stage, local = self._stage_of(name, layer)
-        state = self._model_state(0, stage)
+        if not self._torch_dist:
+            return self._files.find(name)
+        names, layer = mcore_names(name, self._at)
         for n in names:
-            key = n if local is None else f"decoder.layers.{local}.{n}"
-            if isinstance(state.get(key), torch.Tensor):
-                return stage, key
+            if layer is not None and f"decoder.layers.{layer}.{n}" in self._saved:
+                return f"decoder.layers.{layer}.{n}", None
+            key = n if layer is None else f"decoder.layers.{n}"
+            if key in self._saved and hasattr(self._saved[key], "size"):
+                return key, layer
         return None
 
     # ------------------------------------------------------------- tensors
@@ -174,8 +136,7 @@ class MegatronLMCheckpoint:
         if self._torch_dist:
             tensor = self._read_dist(*found)
         else:
-            stage, key = found
-            shards = [self._model_state(t, stage)[key] for t in range(self.tp)]
+            shards = [self._files.shard(found, t) for t in range(self.tp)]
             tensor = merge(name, shards, swiglu=self.model.swiglu, vocab_size=self.model.vocab_size)
         if split_kind(name) == "vocab":
             if tensor.shape[0] < self.model.vocab_size:
@@ -211,50 +172,6 @@ class MegatronLMCheckpoint:
         except CheckpointException as e:
             raise CheckpointError(f"{self.source}: {key}: {first_failure(e)}") from None
         return out if layer is None else out[0]
-
-    # ------------------------------------------------------------- the legacy files
-
-    def _check_legacy_layout(self) -> None:
-        want = {(t, p) for t in range(self.tp) for p in range(self.pp)}
-        if set(self._files) != want:
-            raise CheckpointError(
-                f"{self.source}: {self.path} has {len(self._files)} mp_rank_* files; its args "
-                f"say TP {self.tp} x PP {self.pp}"
-            )
-        for name in _LEGACY_UNEVEN:
-            if getattr(self.args, name, None) not in (None, 1):
-                raise CheckpointError(
-                    f"{self.source}: a legacy torch checkpoint with {name} = "
-                    f"{getattr(self.args, name)} is not read: convert it to torch_dist with "
-                    "Megatron-LM (--ckpt-convert-format torch_dist)"
-                )
-        if self.model.num_layers % self.pp:
-            raise CheckpointError(f"{self.source}: {self.model.num_layers} layers on PP {self.pp}")
-        self._states: dict[tuple[int, int], dict] = {}
-
-    def _stage_of(self, name: str, layer: int | None) -> tuple[int, int | None]:
-        """The pipeline stage holding ``name``, and the layer's number in that stage."""
-        if layer is not None:
-            per = self.model.num_layers // self.pp
-            return layer // per, layer % per
-        i = int(name.removeprefix("pieces.").partition(".")[0])
-        last = i in (self._at.final_norm, self._at.output)
-        return (self.pp - 1 if last else 0), None
-
-    def _model_state(self, t: int, p: int) -> dict:
-        if (t, p) not in self._states:
-            state = load_foreign_file(self._files[(t, p)], mmap=True)
-            if "model" not in state:
-                raise CheckpointError(
-                    f"{self.source}: {self._files[(t, p)]} has no 'model' (a checkpoint with "
-                    "virtual pipeline stages, model0/model1, is not read)"
-                )
-            self._states[(t, p)] = state["model"]
-        return self._states[(t, p)]
-
-
-def _unnumbered(key: str) -> str:
-    return re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", key)
 
 
 def open_checkpoint(path: str, source: str, vocab_size: int | None = None):

@@ -1,5 +1,5 @@
-"""Where a Megatron-LM checkpoint is, its format, and the model and tokenizer its saved ``args``
-describe."""
+"""Where a Megatron-LM (or Megatron-DeepSpeed) checkpoint is, its format, and the model and
+tokenizer its saved ``args`` describe."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ from megatron_tempnet.trainer.file_io import load_foreign_file
 
 TRACKER = "latest_checkpointed_iteration.txt"
 """Megatron-LM's file naming the newest checkpoint of a --save directory."""
-TORCH_DIST, TORCH = "torch_dist", "torch"
+TORCH_DIST, TORCH, DEEPSPEED = "torch_dist", "torch", "deepspeed"
+DS_RANK_FILE = re.compile(r"mp_rank_(\d\d)_model_states\.pt$")
+"""Megatron-DeepSpeed's (DeepSpeed's) file of a tensor-parallel rank: the model without
+pipeline stages (``module``), and the saved ``args``."""
+DS_LAYER_FILE = re.compile(r"layer_(\d\d+)-model_(\d\d)-model_states\.pt$")
+"""DeepSpeed's file of one pipeline layer of a tensor-parallel rank."""
 _RANK_DIR = re.compile(r"mp_rank_(\d\d)(?:_(\d\d\d))?$")
 
 
@@ -29,7 +34,11 @@ class Located:
 
 def locate(path: str, source: str) -> Located | None:
     """The Megatron-LM checkpoint ``path`` holds (a --save directory, or one ``iter_``
-    directory); None when it holds none. Raises when it names one that cannot be read."""
+    directory; or Megatron-DeepSpeed's --save directory, whose DeepSpeed ``latest`` names
+    ``global_stepN``); None when it holds none. Raises when it names one that cannot be read."""
+    deepspeed = _deepspeed(path, source)
+    if deepspeed is not None:
+        return deepspeed
     tracker = os.path.join(path, TRACKER)
     if os.path.isfile(tracker):
         with open(tracker) as f:
@@ -51,6 +60,29 @@ def locate(path: str, source: str) -> Located | None:
             ".metadata) nor a legacy torch one (mp_rank_XX/model_optim_rng.pt)"
         )
     return Located(directory, found, text)
+
+
+def _deepspeed(path: str, source: str) -> Located | None:
+    """Megatron-DeepSpeed's checkpoint: DeepSpeed's ``latest`` names ``global_stepN``."""
+    latest = os.path.join(path, "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        tag = f.read().strip()
+    if not tag.startswith("global_step"):
+        return None  # this project's own ``latest`` names iter_XXXXXXX
+    directory = os.path.join(path, tag)
+    if not os.path.isdir(directory) or not ds_rank_files(directory):
+        raise CheckpointError(
+            f"{source}: {latest} names {tag}, which holds no mp_rank_XX_model_states.pt"
+        )
+    return Located(directory, DEEPSPEED, tag.removeprefix("global_step"))
+
+
+def ds_rank_files(directory: str) -> dict[int, str]:
+    """``{tensor-parallel rank: mp_rank_XX_model_states.pt}`` of a DeepSpeed checkpoint."""
+    files = (DS_RANK_FILE.match(f) for f in os.listdir(directory))
+    return {int(m.group(1)): os.path.join(directory, m.group(0)) for m in files if m}
 
 
 def _format(directory: str) -> str | None:
@@ -85,6 +117,11 @@ _REFUSED = (
     ("spec", lambda v: v is not None, "a custom layer spec (--spec)"),
     ("mtp_num_layers", lambda v: v not in (None, 0), "multi-token prediction (--mtp-num-layers)"),
     ("heterogeneous_layers_config_path", bool, "heterogeneous layers"),
+    (
+        "apply_residual_connection_post_layernorm",
+        bool,
+        "the residual taken after the norm (--apply-residual-connection-post-layernorm)",
+    ),
 )
 """Saved arguments whose models ``GPTStack`` does not compute: (name, refused when, what)."""
 _COPIED = (
@@ -113,9 +150,44 @@ _COPIED = (
 """Megatron-LM's arguments that are ``ModelConfig`` fields of the same name and meaning."""
 
 
+def megatron_lm_args(args: argparse.Namespace, source: str) -> argparse.Namespace:
+    """Megatron-DeepSpeed's saved args under Megatron-LM's names (Megatron-LM's own: as
+    they are): its lower-case --normalization, --layernorm-epsilon, --num-key-value-heads,
+    --use-rotary-position-embeddings with --rotary-position-embeddings-theta, and the experts
+    per layer group."""
+    if not hasattr(args, "num_key_value_heads") and not hasattr(args, "layernorm_epsilon"):
+        return args
+    out = argparse.Namespace(**vars(args))
+    names = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
+    out.normalization = names.get(getattr(args, "normalization", None), args.normalization)
+    if getattr(args, "norm_epsilon", None) is None and hasattr(args, "layernorm_epsilon"):
+        out.norm_epsilon = args.layernorm_epsilon
+    groups = getattr(args, "num_key_value_heads", None)
+    if groups is not None and groups != args.num_attention_heads:
+        out.group_query_attention, out.num_query_groups = True, groups
+    rope = getattr(args, "use_rotary_position_embeddings", False)
+    learned = getattr(args, "add_position_embedding", True)
+    if rope and learned:
+        raise CheckpointError(
+            f"{source}: the checkpoint's model adds learned positions to RoPE "
+            "(--use-rotary-position-embeddings without --no-position-embedding), which this "
+            "project does not build"
+        )
+    if not rope and not learned:
+        raise CheckpointError(f"{source}: the checkpoint's model has no position embedding")
+    out.position_embedding_type = "rope" if rope else "learned_absolute"
+    out.rotary_base = getattr(args, "rope_theta", 10000)
+    experts = getattr(args, "num_experts", None)
+    if isinstance(experts, (list, tuple)):
+        out.num_experts = max(experts, default=1)
+    return out
+
+
 def model_fields(args: argparse.Namespace, source: str) -> dict:
-    """``ModelConfig``'s fields from Megatron-LM's saved ``args`` (the vocabulary size aside:
-    the tokenizer gives it); raises, naming it, on what ``GPTStack`` does not compute."""
+    """``ModelConfig``'s fields from Megatron-LM's (or Megatron-DeepSpeed's) saved ``args``
+    (the vocabulary size aside: the tokenizer gives it); raises, naming it, on what
+    ``GPTStack`` does not compute."""
+    args = megatron_lm_args(args, source)
     for name, refused, what in _REFUSED:
         if refused(getattr(args, name, None)):
             raise CheckpointError(
@@ -151,6 +223,7 @@ def model_fields(args: argparse.Namespace, source: str) -> dict:
 def tokenizer_spec(args: argparse.Namespace) -> dict | None:
     """The saved tokenizer flags, as ``data.tokenizers.build_tokenizer`` takes them."""
     kind = getattr(args, "tokenizer_type", None)
+    kind = "HuggingFaceTokenizer" if kind == "HFTokenizer" else kind  # Megatron-DeepSpeed's
     if not isinstance(kind, str):
         return None
     spec = {"tokenizer_type": kind}
@@ -177,6 +250,9 @@ def saved_args(located: Located, source: str) -> argparse.Namespace:
     rank's file of a legacy one)."""
     if located.format == TORCH_DIST:
         common = load_foreign_file(os.path.join(located.directory, "common.pt"))
+    elif located.format == DEEPSPEED:
+        files = ds_rank_files(located.directory)
+        common = load_foreign_file(files[min(files)], mmap=True)
     else:
         files = rank_files(located.directory, source)
         common = load_foreign_file(files[min(files)], mmap=True)
