@@ -1,7 +1,7 @@
 """--use-checkpoint-args: the model's architecture from the checkpoint in --load (Megatron-LM's
 meaning), read from the run config saved with every checkpoint.
 
-Megatron-LM's rule, in this project's fields:
+Megatron-LM's rule, in this project's fields (``config.SHAPE`` and ``config.STRUCTURE``):
 
 - ``SHAPE``: the sizes (layers, hidden size, MLP size, attention heads, sequence length, position
   range). The checkpoint's values fill the flags the command line does not give; a given flag
@@ -22,46 +22,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from megatron_tempnet.models.gpt.config import ModelConfig
+from megatron_tempnet.models.gpt.config import SHAPE, STRUCTURE, ModelConfig
 from megatron_tempnet.trainer.checkpoint_format import (
     CheckpointError,
     is_complete,
     latest_tag,
     read_train_state,
 )
-
-SHAPE = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "seq_length",
-    "max_position_embeddings",
-)
-"""Sizes: the checkpoint's where the command line gives none."""
-
-STRUCTURE = (
-    "num_query_groups",
-    "position_embedding_type",
-    "rotary_base",
-    "use_rope_scaling",
-    "rope_scaling_factor",
-    "rope_scaling_low_freq_factor",
-    "rope_scaling_high_freq_factor",
-    "rope_scaling_original_max_position_embeddings",
-    "normalization",
-    "norm_epsilon",
-    "apply_layernorm_1p",
-    "add_bias_linear",
-    "swiglu",
-    "openai_gelu",
-    "quick_gelu",
-    "untie_embeddings_and_output_weights",
-    "vocab_size",
-    "make_vocab_size_divisible_by",
-    "hf_model_type",
-)
-"""What the weights' shapes and meaning depend on: always the checkpoint's."""
 
 
 def saved_run_config(load_dir: str) -> tuple[str, dict] | None:

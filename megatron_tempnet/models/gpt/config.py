@@ -127,6 +127,40 @@ PRESETS: dict[str, dict] = {
 
 HF_MODEL_TYPES = ("llama", "mistral", "gpt2")
 
+SHAPE = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "seq_length",
+    "max_position_embeddings",
+)
+"""Sizes: a checkpoint's where the command line gives none (--use-checkpoint-args)."""
+
+STRUCTURE = (
+    "num_query_groups",
+    "position_embedding_type",
+    "rotary_base",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "rope_scaling_low_freq_factor",
+    "rope_scaling_high_freq_factor",
+    "rope_scaling_original_max_position_embeddings",
+    "normalization",
+    "norm_epsilon",
+    "apply_layernorm_1p",
+    "add_bias_linear",
+    "swiglu",
+    "openai_gelu",
+    "quick_gelu",
+    "untie_embeddings_and_output_weights",
+    "vocab_size",
+    "make_vocab_size_divisible_by",
+    "hf_model_type",
+)
+"""What the weights' shapes and meaning depend on: always a checkpoint's
+(--use-checkpoint-args)."""
+
 
 @dataclass
 class ModelConfig(TransformerShape):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from megatron_tempnet.distributed.sharding import full_shape, merge, split_kind
-from megatron_tempnet.models.gpt.config import ModelConfig
+from megatron_tempnet.models.gpt.config import SHAPE, STRUCTURE, ModelConfig
 from megatron_tempnet.models.gpt.layers import PieceIndex
 from megatron_tempnet.models.gpt.megatron_lm.rank_files import (
     DeepSpeedFiles,
@@ -207,25 +207,12 @@ class TrainingWeights:
         return self.checkpoint.full(name.removeprefix(self.prefix))
 
 
-_SAME_MODEL = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "position_embedding_type",
-    "rotary_base",
-    "use_rope_scaling",
-    "rope_scaling_factor",
-    "normalization",
-    "norm_epsilon",
-    "apply_layernorm_1p",
-    "add_bias_linear",
-    "swiglu",
-    "openai_gelu",
-    "untie_embeddings_and_output_weights",
+_SAME_MODEL = SHAPE[:4] + tuple(
+    n for n in STRUCTURE if n not in ("vocab_size", "make_vocab_size_divisible_by", "hf_model_type")
 )
-"""What the weights' shapes and meaning depend on: a run reading the checkpoint has its values."""
+"""What the weights' shapes and meaning depend on (``--use-checkpoint-args``' sizes but the
+sequence length, and its structure but the vocabulary, which is the tokenizer's): a run reading
+the checkpoint has its values."""
 
 
 def check_same_model(saved: ModelConfig, run: ModelConfig, source: str) -> None:
