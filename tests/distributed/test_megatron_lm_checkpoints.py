@@ -91,7 +91,9 @@ def _export_and_reload(root: str, gpt, model, tp: int, pp: int) -> dict[str, boo
 
 
 @pytest.mark.parametrize(
-    ("arch", "tp", "pp", "read_tp"), [("llama", 2, 1, 1), ("gpt2", 1, 2, 2)], ids=["tp2", "pp2"]
+    ("arch", "tp", "pp", "read_tp"),
+    [("llama", 2, 1, 1), ("gpt2", 1, 2, 2), ("gpt2", 2, 1, 1), ("llama", 1, 2, 2)],
+    ids=["llama-tp2", "gpt2-pp2", "gpt2-tp2", "llama-pp2"],
 )
 def test_megatron_lm_checkpoints_give_megatron_cores_logits_at_another_layout(
     tmp_path, arch, tp, pp, read_tp

@@ -116,6 +116,11 @@ _REFUSED = (
     ("rotary_percent", lambda v: v not in (None, 1.0), "partial RoPE (--rotary-percent)"),
     ("spec", lambda v: v is not None, "a custom layer spec (--spec)"),
     ("mtp_num_layers", lambda v: v not in (None, 0), "multi-token prediction (--mtp-num-layers)"),
+    (
+        "rotary_seq_len_interpolation_factor",
+        lambda v: v not in (None, 1),
+        "RoPE position interpolation (--rotary-seq-len-interpolation-factor)",
+    ),
     ("heterogeneous_layers_config_path", bool, "heterogeneous layers"),
     (
         "apply_residual_connection_post_layernorm",
