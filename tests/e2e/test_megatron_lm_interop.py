@@ -3,7 +3,8 @@
 Megatron-DeepSpeed's (with the corpus' tokenizer in its args) trains TempNet here at another
 layout in setting (ii) (--load --finetune) and setting (iii) (--pretrained-checkpoint, frozen
 LM); tools/generate.py and tools/evaluate.py read the Megatron-LM checkpoint, directly and behind
-a TempNet-only run, giving megatron-core's greedy tokens and CE."""
+a TempNet-only run, giving megatron-core's greedy tokens and CE, as does transformers on its
+conversion to Hugging Face."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.helpers.checkpoints import weights
 from tests.helpers.corpus import blend_corpus, data_flags, pydoc_documents
 from tests.helpers.distributed import run_distributed
 from tests.helpers.entry_points import cli_flags, run_command, run_entry_point
+from tests.helpers.hf_models import load_hf
 from tests.helpers.run_flags import tempnet_flags
 from tests.helpers.shapes import parity_model
 
@@ -155,6 +157,15 @@ def test_setting_iii_trains_tempnet_on_a_frozen_legacy_checkpoint(mlm, tmp_path)
     for load, flags in ((run, ()), (mlm["dir"] / "dist", fixed), (mlm["dir"] / "deepspeed", fixed)):
         got = _ppl(mlm, load, tmp_path, *flags)
         assert got["tokens"] == n and got["ppl"] == pytest.approx(want, rel=1e-5)
+    # to Hugging Face, straight from Megatron-DeepSpeed's checkpoint: transformers' CE is the same
+    _tool("checkpoint/convert_megatron_to_hf.py", "--load", mlm["dir"] / "deepspeed", "--save",
+          tmp_path / "hf")  # fmt: skip
+    hf = load_hf(str(tmp_path / "hf"))
+    with torch.no_grad():
+        for doc, ce in zip(mlm["documents"], mlm["ce"]):
+            logits = hf(torch.tensor([doc])).logits[0, :-1].double()
+            got = torch.nn.functional.cross_entropy(logits, torch.tensor(doc[1:]), reduction="sum")
+            assert got.item() == pytest.approx(ce.item(), rel=1e-5)
     # back to Megatron-LM: the LM from the checkpoint the run started from, TempNet beside it
     back = tmp_path / "back"
     _tool("checkpoint/export_megatron_lm.py", "--load", run, "--save", back, "--target-tp", 2)
