@@ -20,6 +20,9 @@ correlation with the optimum (``tau_correlation``) and its T-LLM perplexity
 (``tempnet_tllm_ppl``). ``--tau-grid`` adds the T-LLM perplexity at each of several fixed
 temperatures and the best of them, from the same forward pass. Windows of every document are scored
 ``--micro-batch-size`` at a time (right-padded; the values do not depend on the batch).
+``--calibration`` adds, per tau (1, the scored one, TempNet's beside ``newton``, the grid's
+best), the expected calibration error of the top-1 prediction (15 equal-width bins of its
+probability), the Brier score, the NLL and the reliability bins (a reliability diagram's points).
 ``--per-token-output`` writes one JSON object per scored stream/document with its first token's
 text (``prompt``) and every target's text (``tokens``), id (``targets``), ``ce``, ``tllm_logprob``
 and ``tau`` (with ``newton`` and a TempNet, ``tempnet_tau`` too): ``tools/visualize_tau.py``
@@ -99,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TAU",
         help="also the T-LLM perplexity at each of these fixed temperatures, from the same "
         "forward pass (tau_grid, best_fixed_tau, best_fixed_tllm_ppl)",
+    )
+    t.add_argument(
+        "--calibration",
+        action="store_true",
+        help="also the calibration of the top-1 prediction at tau = 1, at the scored tau, at "
+        "TempNet's beside --tau-source newton and at --tau-grid's best: expected calibration "
+        "error (15 bins), Brier score, NLL and the reliability bins (calibration; from each "
+        "window's whole logits, as --no-fused-output-stage)",
     )
     g.add_argument("--output", help="write the summary JSON here too")
     g.add_argument("--per-token-output", help="JSONL of per-token scores")
@@ -219,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk_size=args.output_stage_chunk_size or None,
             micro_batch_size=args.micro_batch_size,
             on_tokens=bar.update,
+            calibration=args.calibration,
         )
     scores, offset = [], 0
     for parts in cut:

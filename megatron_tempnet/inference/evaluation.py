@@ -28,6 +28,7 @@ from megatron_tempnet.distributed.groups import (
 )
 from megatron_tempnet.inference.model import InferenceError, InferenceModel
 from megatron_tempnet.losses import fused_output_stage, temperature_scaled_cross_entropy
+from megatron_tempnet.losses.calibration import calibration_terms, expected_calibration_error
 from megatron_tempnet.losses.newton import optimal_tau
 
 
@@ -57,6 +58,19 @@ class TokenScores:
     """The T-LLM CE with TempNet's tau, beside ``tempnet_tau``."""
     grid_tllm_ce: list[list[float]] = field(default_factory=list)
     """Per token, the T-LLM CE at each temperature of the ``grid`` asked for."""
+    top_prob: list[float] = field(default_factory=list)
+    """With ``calibration``: the top-1 probability at the scored tau (``losses.calibration``)."""
+    sum_p2: list[float] = field(default_factory=list)
+    """With ``calibration``: ``sum_k p_k^2`` at the scored tau."""
+    top_prob_1: list[float] = field(default_factory=list)
+    sum_p2_1: list[float] = field(default_factory=list)
+    """The same at tau = 1."""
+    tempnet_top_prob: list[float] = field(default_factory=list)
+    tempnet_sum_p2: list[float] = field(default_factory=list)
+    """The same at TempNet's tau, beside another source."""
+    grid_top_prob: list[list[float]] = field(default_factory=list)
+    grid_sum_p2: list[list[float]] = field(default_factory=list)
+    """The same at each ``grid`` temperature."""
 
 
 _FIELDS = tuple(f for f in TokenScores.__dataclass_fields__)
@@ -121,6 +135,7 @@ def score_sequences(
     micro_batch_size: int = 8,
     first: list[int] | None = None,
     on_tokens: Callable[[int], None] | None = None,
+    calibration: bool = False,
 ) -> list[TokenScores]:
     """Scores of every sequence's tokens from index ``first[i]`` on (default 1: all but the
     first), each predicted from the tokens before it in its sequence; ``on_tokens(n)``: ``n``
@@ -128,7 +143,9 @@ def score_sequences(
 
     tau: ``fixed_tau``, else each token's DRO optimum (``newton``; TempNet's tau and T-LLM CE
     are recorded beside it when a TempNet is loaded), else TempNet's. ``grid``: the T-LLM CE at
-    each of these fixed temperatures too, from the same forward pass.
+    each of these fixed temperatures too, from the same forward pass. ``calibration``: the
+    top-1 probability and ``sum_k p_k^2`` at every tau scored, and at tau = 1 (from the whole
+    logits: the unfused path, whatever ``fused_output_stage`` says).
 
     Sequences are scored ``micro_batch_size`` at a time, longest first, right-padded: causal
     attention keeps the padding out of every real position. With the fused output stage only
@@ -155,8 +172,10 @@ def score_sequences(
             scored[row, first[i] - 1 : len(sequences[i]) - 1] = True
         padded, scored = padded.to(device), scored.to(device)
         inputs, targets = padded[:, :-1], padded[:, 1:]
-        score = _fused_scores if fused_output_stage else _unfused_scores
-        values = score(model, inputs, targets, scored, source, grid, chunk_size)
+        if calibration or not fused_output_stage:
+            values = _unfused_scores(model, inputs, targets, scored, source, grid, calibration)
+        else:
+            values = _fused_scores(model, inputs, targets, scored, source, grid, chunk_size)
         values["greedy"] = values["greedy"] == targets[scored]
         values["targets"] = targets[scored]
         columns = {k: v.double().tolist() if v.is_floating_point() else v.tolist()
@@ -213,8 +232,11 @@ def _fused_scores(model: InferenceModel, inputs, targets, scored, source: dict, 
     return values
 
 
-def _unfused_scores(model: InferenceModel, inputs, targets, scored, source: dict, grid, chunk_size):
-    """As ``_fused_scores``, from each window's whole logits."""
+def _unfused_scores(
+    model: InferenceModel, inputs, targets, scored, source: dict, grid, calibration: bool
+):
+    """As ``_fused_scores``, from each window's whole logits; with ``calibration`` the
+    calibration terms at each tau too."""
     tp = resolve_tp_group(model.tp_group)
     padded = model.model.padded_vocab_size(tp.size)
     part = vocab_partition(padded // tp.size, tp.rank, model.vocab_size)
@@ -240,7 +262,26 @@ def _unfused_scores(model: InferenceModel, inputs, targets, scored, source: dict
     values["greedy"] = parallel_argmax(logits[:, : part.n_true], part.start, tp)  # [n]
     if grid:
         values["grid_tllm_ce"] = torch.stack([tllm(float(t)) for t in grid], dim=1)
+    if calibration:
+        values.update(_calibration(logits, tau, values.get("tempnet_tau"), grid, common))
     return values
+
+
+def _calibration(logits, tau, tempnet_tau, grid, common: dict) -> dict:
+    """The top-1 probability and ``sum_k p_k^2`` at tau, at 1, at TempNet's tau beside
+    another source, and at each ``grid`` temperature (``[n]``, grid ``[n, len(grid)]``)."""
+    out = {}
+    for suffix, at in (("", tau), ("_1", 1.0)):
+        out[f"top_prob{suffix}"], out[f"sum_p2{suffix}"] = calibration_terms(logits, at, **common)
+    if tempnet_tau is not None:
+        out["tempnet_top_prob"], out["tempnet_sum_p2"] = calibration_terms(
+            logits, tempnet_tau, **common
+        )
+    if grid:
+        pairs = [calibration_terms(logits, float(t), **common) for t in grid]
+        out["grid_top_prob"] = torch.stack([top for top, _ in pairs], dim=1)
+        out["grid_sum_p2"] = torch.stack([sq for _, sq in pairs], dim=1)
+    return out
 
 
 def summarise(all_scores: list[TokenScores], grid: tuple[float, ...] = ()) -> dict:
@@ -278,7 +319,44 @@ def summarise(all_scores: list[TokenScores], grid: tuple[float, ...] = ()) -> di
         best = min(ppl, key=ppl.get)
         summary.update(tau_grid={f"{t:g}": v for t, v in ppl.items()}, best_fixed_tau=best,
                        best_fixed_tllm_ppl=ppl[best])  # fmt: skip
+    if any(s.top_prob for s in all_scores):
+        summary["calibration"] = _calibration_summary(all_scores, grid, summary)
     return summary
+
+
+def _calibration_summary(all_scores: list[TokenScores], grid, summary: dict) -> dict:
+    """ECE (15 bins), Brier score and NLL of the top-1 prediction per tau source: ``tau_1``,
+    ``scored`` (the source evaluated), ``tempnet`` beside it, ``best_fixed`` (the grid's best),
+    each with its reliability bins."""
+
+    def column(name: str, j: int | None = None) -> list[float]:
+        rows = (x for s in all_scores for x in getattr(s, name))
+        return list(rows) if j is None else [r[j] for r in rows]
+
+    correct = column("greedy")
+    sources = {
+        "tau_1": (column("top_prob_1"), column("sum_p2_1"), column("ce")),
+        "scored": (column("top_prob"), column("sum_p2"), column("tllm_ce")),
+    }
+    if any(s.tempnet_top_prob for s in all_scores):
+        sources["tempnet"] = (column("tempnet_top_prob"), column("tempnet_sum_p2"),
+                              column("tempnet_tllm_ce"))  # fmt: skip
+    if grid:
+        j = list(grid).index(summary["best_fixed_tau"])
+        sources["best_fixed"] = (column("grid_top_prob", j), column("grid_sum_p2", j),
+                                 column("grid_tllm_ce", j))  # fmt: skip
+    return {name: calibration_metrics(*values, correct) for name, values in sources.items()}
+
+
+def calibration_metrics(
+    top: list[float], square: list[float], nll: list[float], correct: list[bool]
+) -> dict:
+    """ECE of the top-1 confidences ``top`` against ``correct`` (15 bins), the Brier score
+    ``mean(square - 2 p_y + 1)`` with ``p_y = exp(-nll)``, the mean NLL, and the bins."""
+    n = len(top)
+    ece, bins = expected_calibration_error(top, correct)
+    brier = sum(sq - 2.0 * math.exp(-x) + 1.0 for sq, x in zip(square, nll)) / n
+    return {"ece": ece, "brier": brier, "nll": sum(nll) / n, "bins": bins}
 
 
 def _tempnet_beside(tau: list[float], tempnet_tau: list[float]) -> dict:

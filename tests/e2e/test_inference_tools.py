@@ -321,6 +321,31 @@ def _hf_scores(setup, documents: list[list[int]]):
     return torch.cat(ce), torch.cat(tllm), tllm
 
 
+def _numpy_calibration(logits: torch.Tensor, tau: torch.Tensor, target: torch.Tensor) -> dict:
+    """ECE (15 equal-width bins, numpy's digitize), Brier (the whole probability vectors) and
+    NLL of softmax(logits / tau) in numpy float64."""
+    import numpy as np
+
+    z = (logits / tau[:, None]).numpy()
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    y = target.numpy()
+    onehot = np.zeros_like(p)
+    onehot[np.arange(len(y)), y] = 1.0
+    top, correct = p.max(1), p.argmax(1) == y
+    which = np.clip(np.digitize(top, np.linspace(0, 1, 16), right=True) - 1, 0, 14)
+    ece = sum(
+        (which == b).mean() * abs(correct[which == b].mean() - top[which == b].mean())
+        for b in range(15)
+        if (which == b).any()
+    )
+    return {
+        "ece": float(ece),
+        "brier": float(((p - onehot) ** 2).sum(1).mean()),
+        "nll": float(-np.log(p[np.arange(len(y)), y]).mean()),
+    }
+
+
 def test_evaluate_tllm_perplexity_matches_a_reference(setup, tmp_path):
     texts = [t[:110] for t in pydoc_documents(6)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
@@ -346,6 +371,7 @@ def test_evaluate_tllm_perplexity_matches_a_reference(setup, tmp_path):
             str(tmp_path / f"e{tp}.json"),
             "--per-token-output",
             str(tmp_path / f"t{tp}.jsonl"),
+            "--calibration",
         ]
         # TP 1 forms the whole logits; TP 2 scores from the hidden states in chunks of 7 tokens
         cmd += ["--no-fused-output-stage"] if tp == 1 else ["--output-stage-chunk-size", "7"]
@@ -368,6 +394,23 @@ def test_evaluate_tllm_perplexity_matches_a_reference(setup, tmp_path):
         assert got["tllm_ppl"] == pytest.approx(math.exp(tllm.mean().item()), rel=1e-5)
         assert got["ppl"] == pytest.approx(math.exp(ce.mean().item()), rel=1e-5)
     assert results[1]["tllm_ppl"] != pytest.approx(results[1]["ppl"], rel=1e-6)
+    # calibration at tau = 1 and at TempNet's tau, against numpy on HF's logits
+    hf = load_hf(setup["llama"])
+    with torch.no_grad():
+        logits = torch.cat([hf(torch.tensor([d[:-1]])).logits[0].double() for d in documents])
+    target = torch.cat([torch.tensor(d[1:]) for d in documents])
+    tau = reference_tau(logits, setup["tempnet"])
+    want = {
+        "tau_1": _numpy_calibration(logits, torch.ones_like(tau), target),
+        "scored": _numpy_calibration(logits, tau, target),
+    }
+    for tp in (1, 2):
+        got = results[tp]["calibration"]
+        assert set(got) == set(want)
+        for source, values in want.items():
+            for key, value in values.items():
+                assert got[source][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (tp, source)
+            assert sum(b["count"] for b in got[source]["bins"]) == target.numel()
 
 
 def _reference_optimum(logits: torch.Tensor, rho: float, low: float, high: float) -> torch.Tensor:
