@@ -347,6 +347,10 @@ def _numpy_calibration(logits: torch.Tensor, tau: torch.Tensor, target: torch.Te
 
 
 def test_evaluate_tllm_perplexity_matches_a_reference(setup, tmp_path):
+    """tools/evaluate.py at TP 1 (whole logits) and TP 2 (fused, chunks of 7): per-token T-LLM
+    log-probabilities, perplexities and tau statistics equal HF's with the reference TempNet;
+    --calibration's ECE, Brier and NLL at each tau (1, TempNet's; beside Newton, TempNet's and
+    the grid's best) equal numpy's on HF's logits."""
     texts = [t[:110] for t in pydoc_documents(6)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     documents = [setup["tokenizer"].tokenize(t) for t in texts]
@@ -411,6 +415,19 @@ def test_evaluate_tllm_perplexity_matches_a_reference(setup, tmp_path):
             for key, value in values.items():
                 assert got[source][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (tp, source)
             assert sum(b["count"] for b in got[source]["bins"]) == target.numel()
+    # beside --tau-source newton: TempNet's tau and the grid's best fixed tau too
+    cmd = [sys.executable, os.path.join(REPO, "tools", "evaluate.py"), "--load", setup["run"],
+           "--jsonl", str(tmp_path / "docs.jsonl"), "--documents", "separate", "--tau-source",
+           "newton", "--tau-grid", "0.5", "2.0", "--calibration", "--output",
+           str(tmp_path / "newton.json")]  # fmt: skip
+    r = run_command(cmd, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads((tmp_path / "newton.json").read_text())
+    best = got["best_fixed_tau"]
+    assert set(got["calibration"]) == {"tau_1", "scored", "tempnet", "best_fixed"}
+    for source, at in (("tempnet", tau), ("best_fixed", torch.full_like(tau, best))):
+        for key, value in _numpy_calibration(logits, at, target).items():
+            assert got["calibration"][source][key] == pytest.approx(value, rel=1e-6, abs=1e-9)
 
 
 def _reference_optimum(logits: torch.Tensor, rho: float, low: float, high: float) -> torch.Tensor:
