@@ -48,6 +48,11 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HELD_OUT_EVERY = 10
 GRID = (0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2, 1.3)
 RHO, TAU_MIN, TAU_MAX = 8.0, 0.05, 2.0
+FINETUNE_RUNS = {  # setting (ii): the LM trains too, from the same weights, data and schedule
+    "ce": ("CE (the baseline)", ["--loss", "ce", "--tau-source", "fixed", "--fixed-tau", "1"]),
+    "dro": ("DRO TempNet (setting ii)", ["--loss", "dro"]),
+    "ts-ce": ("TS-CE TempNet", ["--loss", "ts-ce"]),
+}
 RUNS = {  # name: (what the table calls it, pretrain_gpt.py flags)
     "dro": ("DRO TempNet", ["--loss", "dro"]),
     "dro-official": (
@@ -162,10 +167,23 @@ def main() -> int:
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--tempnet-lr", type=float, default=1e-2)
-    p.add_argument("--runs", nargs="+", choices=sorted(RUNS), default=list(RUNS))
+    p.add_argument("--runs", nargs="+", choices=sorted({*RUNS, *FINETUNE_RUNS}),
+                   help="default: every run of the setting")  # fmt: skip
     p.add_argument("--gguf", help="a local LLaMA GGUF file instead of the package's SmolLM2")
     p.add_argument("--max-heldout", type=int, help="score only the first N held-out passages")
+    p.add_argument(
+        "--finetune",
+        action="store_true",
+        help="setting (ii): finetune the LM three ways (CE, DRO + TempNet, TS-CE + TempNet) "
+        "instead of training TempNet on the frozen LM",
+    )
+    p.add_argument("--lr", type=float, default=1e-4, help="--finetune: the LM's peak lr (cosine)")
     args = p.parse_args()
+    chosen = FINETUNE_RUNS if args.finetune else RUNS
+    args.runs = args.runs or list(chosen)
+    if not set(args.runs) <= set(chosen):
+        p.error(f"--runs: {', '.join(sorted(set(args.runs) - set(chosen)))} is not a run of "
+                f"{'--finetune' if args.finetune else 'the frozen LM'}")  # fmt: skip
     out = lambda *parts: os.path.abspath(os.path.join(args.out, *parts))  # noqa: E731
     show = lambda *parts: shown_path(out(*parts))  # noqa: E731
     os.makedirs(out("logs"), exist_ok=True)
@@ -216,6 +234,8 @@ def main() -> int:
           f"{parity['ppl_ours']:.3f} here, {parity['ppl_transformers']:.3f} in transformers; "
           f"largest per-token difference {parity['max_abs_ce_difference']:.1e} nats")  # fmt: skip
 
+    if args.finetune:
+        return finetune(args, out, show, lm, model_flags, tokenizer, evaluate, env, start)
     common = [*model_flags, *tokenizer, "--freeze-lm", "--pretrained-checkpoint", lm]
     common += ["--data-path", out("train_text_document"), "--split", "100,0,0"]
     common += ["--data-cache-path", out("cache"), "--seq-length", str(args.seq_length)]
@@ -273,6 +293,83 @@ def main() -> int:
     generations(out, show, gguf, args.runs[0], python, env)
     print(f"done in {time.perf_counter() - start:.0f} s; the table in {show('results.json')}")
     return 0
+
+
+def finetune(args, out, show, lm, model_flags, tokenizer, evaluate, env, start) -> int:
+    """Setting (ii): the LM finetuned three ways from the same weights, tokens, seed and
+    schedule (the LM at --lr, cosine; TempNet at --tempnet-lr), each scored on the held-out
+    text at tau = 1, at its TempNet's tau, and for calibration."""
+    python = [sys.executable]
+    common = [*model_flags, *tokenizer, "--pretrained-checkpoint", lm]
+    common += ["--data-path", out("train_text_document"), "--split", "100,0,0"]
+    common += ["--data-cache-path", out("cache"), "--seq-length", str(args.seq_length)]
+    common += ["--micro-batch-size", str(args.micro_batch_size), "--global-batch-size"]
+    common += [str(args.micro_batch_size), "--train-iters", str(args.iters), "--eval-iters", "0"]
+    common += ["--tempnet-rho", f"{RHO:g}", "--tempnet-tau-min", f"{TAU_MIN:g}"]
+    common += ["--tempnet-tau-max", f"{TAU_MAX:g}", "--tempnet-lr", f"{args.tempnet_lr:g}"]
+    common += ["--lr", f"{args.lr:g}", "--min-lr", "0", "--lr-decay-style", "cosine"]
+    common += ["--lr-warmup-iters", str(args.iters // 15), "--weight-decay", "0.01"]
+    common += ["--log-interval", str(max(args.iters // 5, 1))]
+    for i, name in enumerate(args.runs):
+        label, flags = FINETUNE_RUNS[name]
+        shutil.rmtree(out(f"ft-{name}"), ignore_errors=True)
+        print(f"[5/6] finetuning ({i + 1}/{len(args.runs)}): {label}", flush=True)
+        tic = time.perf_counter()
+        run(python + [os.path.join(REPO, "pretrain_gpt.py"), *common, *flags]
+            + ["--save", out(f"ft-{name}"), "--load", out(f"ft-{name}")]
+            + ["--metrics-file", out(f"ft-{name}.metrics.jsonl")], out("logs", f"ft-{name}.log"),
+            lambda line, name=name: progress_line(line, args.iters, name), env)  # fmt: skip
+        print(f"      {time.perf_counter() - tic:.0f} s")
+    results = {"runs": {}}
+    limit = ["--max-documents", str(args.max_heldout)] if args.max_heldout else []
+    for name in args.runs:
+        scores = {}
+        sources = [("tau1", ["--fixed-tau", "1", "--tau-grid", *(f"{t:g}" for t in GRID)])]
+        if name != "ce":
+            sources.append(("tempnet", []))
+        for tag, flags in sources:
+            path = out(f"ft-{name}_{tag}.json")
+            run(evaluate + ["--load", out(f"ft-{name}"), "--jsonl", out("heldout.jsonl")]
+                + ["--output", path, "--calibration", *limit, *flags],
+                out("logs", f"evaluate_ft-{name}_{tag}.log"), env=env)  # fmt: skip
+            with open(path) as f:
+                scores[tag] = json.load(f)
+        results["runs"][name] = scores
+    with open(out("finetune_results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"[6/6] held-out text: {results['runs'][args.runs[0]]['tau1']['tokens']:,} tokens")
+    print("\n".join(finetune_table(results, args.runs)))
+    print(f"done in {time.perf_counter() - start:.0f} s; the table in "
+          f"{show('finetune_results.json')}")  # fmt: skip
+    return 0
+
+
+def finetune_table(results: dict, runs: list[str]) -> list[str]:
+    """Per finetuned run: perplexity at tau = 1, at the grid's best fixed tau, with its TempNet's
+    tau; tau mean +- std; ECE and Brier at each."""
+    rows = [("run (finetuned LM)", "ppl tau=1", "best fixed", "T-LLM ppl", "tau mean +- std",
+             "ECE 1 / T", "Brier 1 / T")]  # fmt: skip
+    for name in runs:
+        one = results["runs"][name]["tau1"]
+        t = results["runs"][name].get("tempnet")
+        cal1, calt = one["calibration"]["scored"], (t or {}).get("calibration", {}).get("scored")
+        rows.append((
+            FINETUNE_RUNS[name][0],
+            f"{one['ppl']:.2f}",
+            f"{one['best_fixed_tllm_ppl']:.2f} @ {one['best_fixed_tau']:g}",
+            f"{t['tllm_ppl']:.2f}" if t else "",
+            f"{t['tau_mean']:.3f} +- {t['tau_std']:.3f}" if t else "",
+            f"{cal1['ece']:.4f}" + (f" / {calt['ece']:.4f}" if calt else ""),
+            f"{cal1['brier']:.4f}" + (f" / {calt['brier']:.4f}" if calt else ""),
+        ))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for j, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        lines.append("      " + " | ".join(cells))
+        if j == 0:
+            lines.append("      " + "-+-".join("-" * w for w in widths))
+    return lines
 
 
 def verdicts(results: dict, runs: list[str]) -> None:
