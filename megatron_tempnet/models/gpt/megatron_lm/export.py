@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import (
 from megatron_tempnet.distributed.sharding import split_kind
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.gpt.layers import PieceIndex
-from megatron_tempnet.models.gpt.megatron_lm.rank_files import TE_NORMS
+from megatron_tempnet.models.gpt.megatron_lm.rank_files import mcore_names
 from megatron_tempnet.models.gpt.megatron_lm.saved import TRACKER
 from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 from megatron_tempnet.trainer.file_io import FileWriter
@@ -66,17 +66,10 @@ class _Part:
 
 
 def megatron_name(name: str, at: PieceIndex) -> tuple[str, int | None]:
-    """megatron-core's torch_dist name of ``GPTStack``'s ``name`` and its layer (stacked)."""
-    piece, _, rest = name.removeprefix("pieces.").partition(".")
-    i = int(piece)
-    if i in (at.embedding, at.embedding_output):
-        return "embedding." + rest, None
-    if i == at.final_norm:
-        return "decoder.final_layernorm." + rest.removeprefix("norm."), None
-    if i == at.output:
-        return rest, None
-    rest = rest.removeprefix("layer.")
-    return "decoder.layers." + TE_NORMS.get(rest, rest), i - 2
+    """megatron-core's torch_dist name of ``GPTStack``'s ``name`` and its layer (stacked): the
+    norms under the names both layer specs save them by (Transformer Engine's)."""
+    names, layer = mcore_names(name, at)
+    return (names[0], None) if layer is None else ("decoder.layers." + names[-1], layer)
 
 
 def parts(
