@@ -223,9 +223,24 @@ def save_torch_dist(gpt, args: argparse.Namespace, save_dir: str) -> None:
         "checkpoint_version": 3.0,
     }
     directory = _iteration_dir(save_dir)
-    with cuda_stand_ins():
+    with cuda_stand_ins(), _own_results_queue():
         dist_checkpointing.save(state, directory)
     _publish(save_dir)
+
+
+@contextlib.contextmanager
+def _own_results_queue():
+    """megatron-core's writer keeps a module-level ``Manager`` queue whose server process it
+    never stops (it would outlive every test rank): give it one that stops after the save."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    manager = multiprocessing.get_context("spawn").Manager()
+    try:
+        queue = manager.Queue()
+        with mock.patch.object(filesystem_async, "_get_write_results_queue", lambda: queue):
+            yield
+    finally:
+        manager.shutdown()
 
 
 def save_legacy(gpt, args: argparse.Namespace, save_dir: str, *, te_names: bool = False) -> None:
