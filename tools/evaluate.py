@@ -23,10 +23,13 @@ temperatures and the best of them, from the same forward pass. Windows of every 
 ``--calibration`` adds, per tau (1, the scored one, TempNet's beside ``newton``, the grid's
 best), the expected calibration error of the top-1 prediction (15 equal-width bins of its
 probability), the Brier score, the NLL and the reliability bins (a reliability diagram's points).
-``--per-token-output`` writes one JSON object per scored stream/document with its first token's
-text (``prompt``) and every target's text (``tokens``), id (``targets``), ``ce``, ``tllm_logprob``
-and ``tau`` (with ``newton`` and a TempNet, ``tempnet_tau`` too): ``tools/visualize_tau.py``
-renders it.
+``--tau-target-mean M`` first sets TempNet's upper bound at inference so that its mean tau
+over the scored tokens (or ``--tau-target-sample``) is ``M``, the paper's inference-time
+scaling; ``tau_target`` in the output has the bound chosen (``tau_max_eval``: pass it to
+``generate.py``, ``serve.py`` or ``TempNetLogitsProcessor``). ``--per-token-output`` writes
+one JSON object per scored stream/document with its first token's text (``prompt``) and every
+target's text (``tokens``), id (``targets``), ``ce``, ``tllm_logprob`` and ``tau`` (with
+``newton`` and a TempNet, ``tempnet_tau`` too): ``tools/visualize_tau.py`` renders it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch.distributed as dist
 
 from megatron_tempnet.inference.cli import (
     add_model_args,
+    apply_tau_target,
     load_from_args,
 )
 from megatron_tempnet.inference.evaluation import (
@@ -218,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     # every document's windows, scored --micro-batch-size at a time across documents
     cut = [windows(d, window) for d in documents]
     sequences = [w for parts in cut for w in parts]
+    fitted = apply_tau_target(args, model, tokenizer, sequences, own_every_position=False)
     total = sum(len(w) - 1 for w in sequences)
     with progress("scoring", total, unit="tok", enabled=dist.get_rank() == 0) as bar:
         flat = score_sequences(
@@ -240,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     summary.update(
         documents=len(documents) if args.documents == "separate" else None,
         tau_source=source,
+        tau_max_eval=args.tau_max_eval,
+        **({"tau_target": fitted} if fitted else {}),
         **({"rho": newton.rho, "tau_min": newton.tau_min, "tau_max": newton.tau_max}
            if newton else {}),
     )  # fmt: skip

@@ -13,8 +13,10 @@ optional ``--top-k``/``--top-p``. The choice is vocabulary-parallel and does not
 TP size: TP = 1 and TP = 2 give the same tokens for the same seed. Prompts are generated
 ``--micro-batch-size`` at a time with a KV cache (``--no-kv-cache``: recompute every step); a
 prompt's tokens do not depend on the batch (sampling: each prompt has its own noise stream, from
-the seed and its index). The tokenizer is the one saved
-with the checkpoint unless tokenizer flags are given.
+the seed and its index). ``--tau-target-mean 0.7`` (the paper's Table 1 recipe) sets TempNet's
+upper bound at inference so that its mean tau over the prompts' tokens (or over
+``--tau-target-sample``) is 0.7; the records' ``sampling.tau_max_eval`` is the bound chosen.
+The tokenizer is the one saved with the checkpoint unless tokenizer flags are given.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import torch.distributed as dist
 
 from megatron_tempnet.inference.cli import (
     add_model_args,
+    apply_tau_target,
     load_from_args,
+    read_texts,
 )
 from megatron_tempnet.inference.generation import GenerationError, generate, token_texts
 from megatron_tempnet.inference.token_sampling import SamplingConfig
@@ -70,27 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def read_prompts(path: str) -> list[str]:
     """Prompts from a text file (one per line), a .jsonl file, or standard input (``-``)."""
-    if path != "-" and not os.path.isfile(path):
-        raise GenerationError(f"--prompts {path}: no such file")
-    handle = sys.stdin if path == "-" else open(path, encoding="utf-8")
-    prompts = []
-    with handle:
-        for number, line in enumerate(handle, 1):
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            if path.endswith(".jsonl"):
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise GenerationError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-                if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                    raise GenerationError(f'{path}:{number}: expected {{"prompt": "..."}}')
-                line = record["prompt"]
-            prompts.append(line)
-    if not prompts:
-        raise GenerationError(f"--prompts {path}: no prompts in it")
-    return prompts
+    return read_texts(path, "--prompts", ("prompt",), "prompts")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, tokens in enumerate(ids):
         if not tokens:
             raise GenerationError(f"--prompts {args.prompts}: prompt {i + 1} has no tokens")
+    apply_tau_target(args, model, tokenizer, ids)
     sampling = SamplingConfig(
         greedy=not args.sample, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )

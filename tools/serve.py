@@ -14,7 +14,8 @@
     top_k, top_p        filters for sampling (default 0 = all, 1.0)
     random_seed         sampling seed (default 1234)
     fixed_tau           one temperature for every token instead of TempNet's
-    tau_max_eval        TempNet's upper bound for this request (paper's Figure 9)
+    tau_max_eval        TempNet's upper bound for this request (paper's Figure 9; default: the
+                        server's --tau-max-eval, or the one --tau-target-mean chose)
     stop_at_eod         stop a prompt at its end-of-document token (default true)
 
 and answers ``{"text": [prompt + generation], "generated": [...], "tokens": [[the text each
@@ -22,6 +23,9 @@ token adds]], "token_ids": [[...]], "tau": [[the temperature each token was chos
 "stopped_at_eod": [...], "tau_source": "tempnet" | "fixed"}``. ``GET /api`` describes the model.
 A bad request (malformed JSON, a missing or unknown field, a value of the wrong type or range, a
 prompt too long for the model) gets a 400 with ``{"error": message}``; the server keeps running.
+
+``--tau-target-mean 0.7 --tau-target-sample FILE`` (the paper's Table 1 recipe) sets the
+server's upper bound so that TempNet's mean tau over the sample's tokens is 0.7.
 
 Requests are served one at a time (generation is batched within a request,
 ``--micro-batch-size`` prompts per batch). At TP > 1 rank 0 serves and the other ranks follow
@@ -39,7 +43,7 @@ import traceback
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from megatron_tempnet.inference.cli import add_model_args, load_from_args
+from megatron_tempnet.inference.cli import add_model_args, apply_tau_target, load_from_args
 from megatron_tempnet.inference.generation import GenerationError, check_prompts, token_texts
 from megatron_tempnet.inference.model import InferenceError
 from megatron_tempnet.inference.service import Service
@@ -100,6 +104,7 @@ class Generator:
                 "hidden_size": model.model.hidden_size,
             },
             "tempnet": model.tempnet is not None,
+            "tau_max_eval": model.tempnet.tau_max_eval if model.tempnet is not None else None,
             "tensor_model_parallel_size": self.service.size,
             "fields": sorted(FIELDS),
         }
@@ -261,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.micro_batch_size < 1:
         raise InferenceError(f"--micro-batch-size ({args.micro_batch_size}) must be >= 1")
     model, tokenizer = load_from_args(args)
+    apply_tau_target(args, model, tokenizer)  # the sample: --tau-target-sample
     service = Service(model)
     if service.rank != 0:  # stopped by rank 0, which handles the signals
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -30,6 +30,7 @@ from megatron_tempnet.inference.model import InferenceError, InferenceModel
 from megatron_tempnet.losses import fused_output_stage, temperature_scaled_cross_entropy
 from megatron_tempnet.losses.calibration import calibration_terms, expected_calibration_error
 from megatron_tempnet.losses.newton import optimal_tau
+from megatron_tempnet.tempnet.layers import upper_bound_for_mean
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,45 @@ def score_sequences(
         if on_tokens is not None:
             on_tokens(sum(counts))
     return results
+
+
+def fit_tau_max_eval(
+    model: InferenceModel,
+    sequences: list[list[int]],
+    target: float,
+    *,
+    every_position: bool,
+    micro_batch_size: int = 8,
+    chunk_size: int | None = None,
+) -> dict:
+    """The paper's inference-time scaling (its Table 1): sets ``model.tempnet.tau_max_eval`` so
+    that TempNet's mean tau over the sample ``sequences`` is ``target``
+    (``tempnet.layers.upper_bound_for_mean``), the tau of every token that ``score_sequences``
+    scores (all but each sequence's last), or with ``every_position`` of every token.
+
+    Returns ``tau_target_mean``, ``tokens`` (the sample's), ``tau_mean_trained`` (the mean at
+    the trained upper bound) and the ``tau_max_eval`` set."""
+    tempnet = model.tempnet
+    if tempnet is None:
+        raise InferenceError("--tau-target-mean: no TempNet loaded (it scales TempNet's tau)")
+    tempnet.tau_max_eval = None
+    if every_position:  # a placeholder target after the last token: its tau is scored too
+        sequences = [list(s) + [0] for s in sequences]
+    parts = score_sequences(
+        model, sequences, micro_batch_size=micro_batch_size, chunk_size=chunk_size
+    )
+    taus = torch.tensor([t for part in parts for t in part.tau], dtype=torch.float64)
+    try:
+        upper = upper_bound_for_mean(taus, tempnet.tau_min, tempnet.tau_max, target)
+    except ValueError as e:
+        raise InferenceError(f"--tau-target-mean {target:g}: {e}") from None
+    tempnet.tau_max_eval = upper
+    return {
+        "tau_target_mean": target,
+        "tokens": taus.numel(),
+        "tau_mean_trained": float(taus.mean()),
+        "tau_max_eval": upper,
+    }
 
 
 def _tau_source(model: InferenceModel, fixed_tau, newton: NewtonTau | None) -> dict:

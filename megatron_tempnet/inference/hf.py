@@ -8,6 +8,8 @@
                          do_sample=True, temperature=1.0, top_p=0.9)
     tempnet.taus  # [batch, generated tokens]: the tau every token was chosen with
 
+    tempnet.fit_mean(model(ids).logits, 0.7)  # the paper's Table 1: mean tau 0.7 on a sample
+
 ``transformers`` applies user processors after its own (repetition penalty and the like) and
 before its sampling warpers (temperature, top-k, top-p): the logits are divided by TempNet's tau
 first, then filtered. Leave ``temperature`` at 1.0 (some models' ``generation_config`` set
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from megatron_tempnet.tempnet.export import load_tempnet
+from megatron_tempnet.tempnet.layers import upper_bound_for_mean
 
 try:
     from transformers import LogitsProcessor
@@ -65,6 +68,20 @@ class TempNetLogitsProcessor(LogitsProcessor):
         if self.record:
             self._taus.append(tau.detach().cpu())
         return scores / tau[:, None].to(scores.dtype)
+
+    @torch.no_grad()
+    def fit_mean(self, sample_logits: torch.Tensor, target: float) -> float:
+        """The paper's inference-time scaling (its Table 1): sets the upper bound of tau so that
+        TempNet's mean tau over ``sample_logits`` (``[..., V]``: the next-token logits of a
+        sample's tokens, e.g. a model's ``logits`` on a few prompts) is ``target``; returns the
+        bound (``tempnet.layers.upper_bound_for_mean``)."""
+        logits = sample_logits[..., : self.tempnet.vocab_size].float()
+        self.tempnet.to(logits.device)
+        self.tempnet.tau_max_eval = None
+        taus = self.tempnet(logits.reshape(-1, logits.shape[-1]))
+        bound = upper_bound_for_mean(taus, self.tempnet.tau_min, self.tempnet.tau_max, target)
+        self.tempnet.tau_max_eval = bound
+        return bound
 
     @property
     def taus(self) -> torch.Tensor:

@@ -42,6 +42,27 @@ def bounded_temperature(s: torch.Tensor, tau_min: float, tau_max: float) -> torc
     return (tau_max - tau_min) * torch.sigmoid(s) + tau_min
 
 
+def upper_bound_for_mean(
+    taus: torch.Tensor, tau_min: float, tau_max: float, target: float
+) -> float:
+    """The upper bound that moves the mean of ``taus`` to ``target``: the paper's inference-time
+    scaling (its Table 1: TempNet's tau_max rescaled so that the mean tau is 0.7).
+
+    ``taus`` came from ``bounded_temperature`` with bounds ``[tau_min, tau_max]``. With another
+    upper bound ``U`` every ``tau - tau_min`` scales by ``(U - tau_min) / (tau_max - tau_min)``
+    (sigmoid(s) does not depend on it), so the mean is ``target`` exactly at
+    ``U = tau_min + (target - tau_min) (tau_max - tau_min) / (mean(taus) - tau_min)``.
+    """
+    if taus.numel() == 0:
+        raise ValueError("no tau to take the mean of")
+    if not target > tau_min:
+        raise ValueError(f"the target mean tau ({target}) must be > tau_min ({tau_min})")
+    mean = float(taus.double().mean())
+    if not mean > tau_min:
+        raise ValueError(f"every tau is at tau_min ({tau_min}): no upper bound moves the mean")
+    return tau_min + (target - tau_min) * (tau_max - tau_min) / (mean - tau_min)
+
+
 def check_tau_range(tau_min: float, tau_max: float, *, what: str = "tau") -> None:
     """Validate a temperature range once, with the names users set."""
     if not tau_min > 0:

@@ -272,6 +272,57 @@ def test_generate_tool_is_the_same_at_tp1_and_tp2(setup, tmp_path):
     assert fixed[0]["tau_source"] == "fixed"
 
 
+def _target_upper_bound(taus: torch.Tensor, target: float, tau0=0.001, tau_max=2.0) -> float:
+    """The paper's inference-time scaling, from its definition: the upper bound U with
+    mean(tau0 + (U - tau0) sigmoid(s)) = target, where taus = tau0 + (tau_max - tau0) sigmoid(s)."""
+    sigmoid_mean = ((taus.double() - tau0) / (tau_max - tau0)).mean().item()
+    return tau0 + (target - tau0) / sigmoid_mean
+
+
+def test_tau_target_mean_scales_tempnets_upper_bound(setup, tmp_path):
+    """--tau-target-mean in generate (the prompts as the sample at TP 2, --tau-target-sample at
+    TP 1) and TempNetLogitsProcessor.fit_mean choose the upper bound that makes the reference
+    TempNet's mean tau over the prompts' tokens the target; every generated token's tau is the
+    reference TempNet's at that bound on HF's logits."""
+    prompts = ["The module", "import os", "Return the value of the first argument"]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    (tmp_path / "sample.txt").write_text("".join(p + "\n" for p in prompts))
+    ids = [setup["tokenizer"].tokenize(p) for p in prompts]
+    hf = load_hf(setup["llama"])
+    with torch.no_grad():
+        logits = [hf(torch.tensor([i])).logits[0].double() for i in ids]
+    sample_taus = reference_tau(torch.cat(logits), setup["tempnet"])
+    upper = _target_upper_bound(sample_taus, 0.5)
+    assert upper < 1.5  # this TempNet's taus are near 1: the bound comes down
+    runs = {
+        "tp2": _generate(setup, tmp_path, "t2", 2, "--tau-target-mean", 0.5),
+        "tp1": _generate(
+            setup,
+            tmp_path,
+            "t1",
+            1,
+            "--tau-target-mean",
+            0.5,
+            "--tau-target-sample",
+            tmp_path / "sample.txt",
+        ),  # fmt: skip
+    }
+    for name, records in runs.items():
+        for record, prompt in zip(records, ids):
+            assert record["sampling"]["tau_max_eval"] == pytest.approx(upper, rel=2e-6), name
+            with torch.no_grad():
+                full = hf(torch.tensor([prompt + record["token_ids"][:-1]])).logits[0].double()
+            want = reference_tau(full[len(prompt) - 1 :], setup["tempnet"], tau_max=upper)
+            torch.testing.assert_close(
+                torch.tensor(record["tau"], dtype=torch.float64), want, rtol=0, atol=2e-5
+            )
+    from megatron_tempnet.inference.hf import TempNetLogitsProcessor
+
+    processor = TempNetLogitsProcessor(setup["tempnet"])
+    assert processor.fit_mean(torch.cat(logits).float(), 0.5) == pytest.approx(upper, rel=2e-6)
+    assert processor.tempnet(torch.cat(logits).float()).mean().item() == pytest.approx(0.5, 1e-5)
+
+
 def test_generate_tool_errors(setup, tmp_path):
     def run(*args, expect: str):
         out = tmp_path / "out.jsonl"
@@ -293,6 +344,12 @@ def test_generate_tool_errors(setup, tmp_path):
     run("--load", setup["run"], "--prompts", tmp_path / "nope.txt", expect="nope.txt: no such")
     run("--load", setup["run"], "--prompts", tmp_path / "bad.jsonl", expect="bad.jsonl:2")
     run("--load", setup["run"], "--prompts", tmp_path / "empty.txt", expect="no prompts")
+    for flags, expect in (
+        (["--tau-target-mean", 0.0005], "--tau-target-mean 0.0005: the target mean tau"),
+        (["--tau-target-mean", 0.7, "--fixed-tau", 1], "not with --fixed-tau"),
+        (["--tau-target-sample", tmp_path / "ok.txt"], "give both"),
+    ):
+        run("--load", setup["run"], "--prompts", tmp_path / "ok.txt", *flags, expect=expect)
     run("--load", setup["run"], "--prompts", tmp_path / "long.txt", expect="positions")
     run("--load", setup["run"], "--prompts", tmp_path / "ok.txt", "--top-p", 0, expect="--top-p")
     run("--load", setup["ckpt"], "--prompts", tmp_path / "ok.txt", expect="no tokenizer saved")
@@ -415,17 +472,24 @@ def test_evaluate_tllm_perplexity_matches_a_reference(setup, tmp_path):
             for key, value in values.items():
                 assert got[source][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (tp, source)
             assert sum(b["count"] for b in got[source]["bins"]) == target.numel()
-    # beside --tau-source newton: TempNet's tau and the grid's best fixed tau too
+    # beside --tau-source newton: TempNet's tau, scaled to a mean of 0.6 over the scored tokens
+    # (--tau-target-mean), and the grid's best fixed tau too
     cmd = [sys.executable, os.path.join(REPO, "tools", "evaluate.py"), "--load", setup["run"],
            "--jsonl", str(tmp_path / "docs.jsonl"), "--documents", "separate", "--tau-source",
-           "newton", "--tau-grid", "0.5", "2.0", "--calibration", "--output",
-           str(tmp_path / "newton.json")]  # fmt: skip
+           "newton", "--tau-grid", "0.5", "2.0", "--calibration", "--tau-target-mean", "0.6",
+           "--output", str(tmp_path / "newton.json")]  # fmt: skip
     r = run_command(cmd, env=ENV, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads((tmp_path / "newton.json").read_text())
+    upper = _target_upper_bound(tau, 0.6)
+    assert got["tau_target"]["tau_max_eval"] == pytest.approx(upper, rel=1e-5)
+    assert got["tau_max_eval"] == got["tau_target"]["tau_max_eval"]
+    assert got["tau_target"]["tau_mean_trained"] == pytest.approx(tau.mean().item(), rel=1e-5)
+    assert got["tempnet_tau_mean"] == pytest.approx(0.6, rel=1e-6)
+    scaled = reference_tau(logits, setup["tempnet"], tau_max=upper)
     best = got["best_fixed_tau"]
     assert set(got["calibration"]) == {"tau_1", "scored", "tempnet", "best_fixed"}
-    for source, at in (("tempnet", tau), ("best_fixed", torch.full_like(tau, best))):
+    for source, at in (("tempnet", scaled), ("best_fixed", torch.full_like(tau, best))):
         for key, value in _numpy_calibration(logits, at, target).items():
             assert got["calibration"][source][key] == pytest.approx(value, rel=1e-6, abs=1e-9)
 
