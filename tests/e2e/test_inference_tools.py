@@ -749,6 +749,8 @@ def test_server_answers_requests_at_tp2_and_rejects_bad_ones(setup, tmp_path):
     from megatron_tempnet.inference.hf import TempNetLogitsProcessor
     from tests.helpers.entry_points import _free_port
 
+    sample = ["The module", "import os"]  # --tau-target-mean's sample
+    (tmp_path / "sample.txt").write_text("".join(t + "\n" for t in sample))
     port = _free_port()
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (closed below)
     server = subprocess.Popen(
@@ -767,6 +769,10 @@ def test_server_answers_requests_at_tp2_and_rejects_bad_ones(setup, tmp_path):
             str(port),
             "--max-prompts",
             "4",
+            "--tau-target-mean",
+            "0.8",
+            "--tau-target-sample",
+            str(tmp_path / "sample.txt"),
         ],
         env=ENV,
         stdout=log,
@@ -783,6 +789,10 @@ def test_server_answers_requests_at_tp2_and_rejects_bad_ones(setup, tmp_path):
                 time.sleep(0.5)
         assert status == 200 and info["tensor_model_parallel_size"] == 2 and info["tempnet"]
         tok, hf = setup["tokenizer"], load_hf(setup["llama"])
+        with torch.no_grad():  # the server's upper bound makes TempNet's mean tau 0.8 on these
+            logits = torch.cat([hf(torch.tensor([tok.tokenize(t)])).logits[0] for t in sample])
+        upper = TempNetLogitsProcessor(setup["tempnet"]).fit_mean(logits, 0.8)
+        assert info["tau_max_eval"] == pytest.approx(upper, rel=2e-6)
         prompts = ["The module", "Return the value of the"]
         status, out = _http(
             port, "PUT", body={"prompts": prompts, "tokens_to_generate": 5, "stop_at_eod": False}
@@ -790,7 +800,7 @@ def test_server_answers_requests_at_tp2_and_rejects_bad_ones(setup, tmp_path):
         assert status == 200, out
         for i, p in enumerate(prompts):
             ids = torch.tensor([tok.tokenize(p)])
-            processor = TempNetLogitsProcessor(setup["tempnet"])
+            processor = TempNetLogitsProcessor(setup["tempnet"], tau_max_eval=upper)
             want = _hf_generate(hf, ids, 5, processor)
             n = want.shape[1] - ids.shape[1]  # HF stops at its end token (0); the server did not
             assert out["token_ids"][i][:n] == want[0, ids.shape[1] :].tolist() and n >= 3
