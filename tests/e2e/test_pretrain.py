@@ -271,6 +271,40 @@ def test_freeze_lm_trains_tempnet_only(corpus, tmp_path):
     assert own * 2 >= n_tempnet > own
 
 
+def test_frozen_lm_cache_gives_the_uncached_losses(corpus, tmp_path):
+    """--frozen-lm-cache at TP 2 with sequence parallelism: a run that fills the store and one
+    that reads every hidden state from it have the uncached run's losses exactly; the reading run
+    does read them (a stored state changed changes its loss)."""
+    flags = {
+        "freeze-lm": True,
+        "tensor-model-parallel-size": 2,
+        "sequence-parallel": True,
+        "train-iters": 4,
+        "eval-interval": 0,
+    }
+    store = tmp_path / "hidden"
+
+    def losses(name: str, **extra) -> list[float]:
+        metrics = {"metrics-file": tmp_path / f"{name}.jsonl"}
+        _pretrain(2, _args(corpus, tmp_path, **flags, **extra, **metrics))
+        return [r["loss"] for r in _curve(tmp_path / f"{name}.jsonl")]
+
+    plain = losses("plain")
+    assert losses("fill", **{"frozen-lm-cache": store}) == plain
+    folders = sorted(p.name for p in store.iterdir())
+    assert folders == ["tp00-of-02", "tp01-of-02"]
+    files = {f: sorted((store / f).glob("*/*.pt")) for f in folders}
+    assert len(files["tp00-of-02"]) == len(files["tp01-of-02"]) > 8  # 32 samples, some repeated
+    part = torch.load(files["tp01-of-02"][0], weights_only=True)
+    assert part.shape == (16, 64) and part.dtype == torch.float32  # [s / tp, h]: this rank's
+    assert losses("read", **{"frozen-lm-cache": store}) == plain
+    assert len(list(store.glob("*/*/*.pt"))) == 2 * len(files["tp00-of-02"])  # nothing new
+    for path in files["tp00-of-02"]:
+        torch.save(torch.load(path, weights_only=True) * 1.5, path)
+    changed = losses("changed", **{"frozen-lm-cache": store})
+    assert all(a != b for a, b in zip(changed, plain))
+
+
 COMBINATIONS = [
     ("dro", "tempnet", {}),
     ("dro", "fixed", {"fixed-tau": 0.8}),
@@ -317,6 +351,11 @@ def test_every_loss_and_tau_source_trains(corpus, tmp_path, loss, source, extra)
         ({"global-batch-size": 7}, "--global-batch-size (7) must be a multiple"),
         ({"tempnet-tau-min": 0.5, "tempnet-tau-max": 0.3}, "--tempnet-tau-min (0.5)"),
         ({"freeze-lm": True, "tau-source": "fixed"}, "--freeze-lm trains TempNet only"),
+        ({"frozen-lm-cache": "h"}, "--frozen-lm-cache h: it stores the frozen LM's hidden"),
+        (
+            {"frozen-lm-cache": "h", "freeze-lm": True, "hidden-dropout": 0.1},
+            "--hidden-dropout 0.1, --attention-dropout 0) changes",
+        ),
         ({"loss": "ce"}, "--loss ce does not use tau"),
         ({"pipeline-model-parallel-size": 4}, "--num-layers (2) must be divisible by"),
         ({"exit-duration-in-mins": 5}, "--exit-duration-in-mins saves a checkpoint"),

@@ -200,49 +200,46 @@ def _options(parser) -> dict[str, str]:
     }
 
 
-GPT_FLAGS = """adam-beta1 adam-beta2 adam-eps async-save checkpoint-timeout-minutes
-decoupled-lr decoupled-min-lr deepspeed-activation-checkpointing checkpoint-activations
-checkpoint-num-layers partition-activations contigious-checkpointing synchronize-each-layer
-no-pipeline-parallel override-opt-param-scheduler use-checkpoint-opt-param-scheduler
-DDP-impl checkpoint-in-cpu create-moe-param-group disable-moe-token-dropping num-experts
-hysteresis initial-loss-scale loss-scale loss-scale-window min-loss-scale
-log-batch-size-to-tensorboard log-optimizer-states-to-tensorboard log-timers-to-tensorboard
-log-validation-ppl-to-tensorboard tensorboard-queue-size timing-log-level
-no-async-tensor-model-parallel-allreduce override-opt_param-scheduler
-rotary-position-embeddings-theta use-flash-attn-triton use-flash-attn-v2
-ckpt-assume-constant-structure ckpt-digest
-ckpt-format ckpt-fully-parallel-load no-ckpt-fully-parallel-save use-persistent-ckpt-worker
-apply-layernorm-1p apply-query-key-layer-scaling
-attention-backend attention-dropout attention-softmax-in-fp32 bf16 calculate-per-token-loss
-clip-grad context-parallel-size cross-entropy-loss-fusion data-cache-path data-impl data-path
-deepspeed deepspeed-config deepspeed_config disable-bias-linear distributed-backend
-distributed-timeout-minutes empty-unused-memory-level eod-mask-loss eval-interval eval-iters
-exit-duration-in-mins exit-interval exit-on-missing-checkpoint expert-model-parallel-size
-ffn-hidden-size finetune fixed-tau fp16 freeze-lm global-batch-size grad-reduce-in-bf16
-group-query-attention hidden-dropout hidden-size init-method-std keep-last kv-channels load
-load-fallback log-interval log-throughput loss lr lr-decay-iters lr-decay-samples lr-decay-style
-lr-warmup-fraction lr-warmup-init lr-warmup-iters lr-warmup-samples lr-wsd-decay-iters
-lr-wsd-decay-samples lr-wsd-decay-style make-vocab-size-divisible-by manual-gc manual-gc-interval
-max-position-embeddings merge-file metrics-file micro-batch-size min-lr mock-data model
-no-bias-dropout-fusion no-bias-gelu-fusion no-bias-swiglu-fusion
-no-create-attention-mask-in-dataloader no-fused-output-stage no-gradient-accumulation-fusion
-no-load-optim no-load-rng no-manual-gc-eval no-masked-softmax-fusion no-mmap-bin-files
-no-position-embedding no-query-key-layer-scaling no-rope-fusion no-tempnet-stop-grad norm-epsilon
-normalization num-attention-heads num-key-value-heads num-layers num-query-groups num-workers
-openai-gelu optimizer output-stage-chunk-size overlap-grad-reduce overlap-param-gather
-pipeline-model-parallel-size position-embedding-type pretrained-checkpoint profile profile-ranks
-profile-step-end profile-step-start rampup-batch-size recompute-activations recompute-granularity
-recompute-method recompute-num-layers reset-attention-mask reset-position-ids rope-scaling-factor
-rope-scaling-high-freq-factor rope-scaling-low-freq-factor
+GPT_FLAGS = """adam-beta1 adam-beta2 adam-eps async-save checkpoint-timeout-minutes decoupled-lr
+decoupled-min-lr deepspeed-activation-checkpointing checkpoint-activations checkpoint-num-layers
+partition-activations contigious-checkpointing synchronize-each-layer no-pipeline-parallel
+override-opt-param-scheduler use-checkpoint-opt-param-scheduler DDP-impl checkpoint-in-cpu
+create-moe-param-group disable-moe-token-dropping num-experts hysteresis initial-loss-scale
+loss-scale loss-scale-window min-loss-scale log-batch-size-to-tensorboard
+log-optimizer-states-to-tensorboard log-timers-to-tensorboard log-validation-ppl-to-tensorboard
+tensorboard-queue-size timing-log-level no-async-tensor-model-parallel-allreduce
+override-opt_param-scheduler rotary-position-embeddings-theta use-flash-attn-triton
+use-flash-attn-v2 ckpt-assume-constant-structure ckpt-digest ckpt-format ckpt-fully-parallel-load
+no-ckpt-fully-parallel-save use-persistent-ckpt-worker apply-layernorm-1p
+apply-query-key-layer-scaling attention-backend attention-dropout attention-softmax-in-fp32 bf16
+calculate-per-token-loss clip-grad context-parallel-size cross-entropy-loss-fusion data-cache-path
+data-impl data-path deepspeed deepspeed-config deepspeed_config disable-bias-linear
+distributed-backend distributed-timeout-minutes empty-unused-memory-level eod-mask-loss
+eval-interval eval-iters exit-duration-in-mins exit-interval exit-on-missing-checkpoint
+expert-model-parallel-size ffn-hidden-size finetune fixed-tau fp16 freeze-lm frozen-lm-cache
+global-batch-size grad-reduce-in-bf16 group-query-attention hidden-dropout hidden-size
+init-method-std keep-last kv-channels load load-fallback log-interval log-throughput loss lr
+lr-decay-iters lr-decay-samples lr-decay-style lr-warmup-fraction lr-warmup-init lr-warmup-iters
+lr-warmup-samples lr-wsd-decay-iters lr-wsd-decay-samples lr-wsd-decay-style
+make-vocab-size-divisible-by manual-gc manual-gc-interval max-position-embeddings merge-file
+metrics-file micro-batch-size min-lr mock-data model no-bias-dropout-fusion no-bias-gelu-fusion
+no-bias-swiglu-fusion no-create-attention-mask-in-dataloader no-fused-output-stage
+no-gradient-accumulation-fusion no-load-optim no-load-rng no-manual-gc-eval no-masked-softmax-fusion
+no-mmap-bin-files no-position-embedding no-query-key-layer-scaling no-rope-fusion
+no-tempnet-stop-grad norm-epsilon normalization num-attention-heads num-key-value-heads num-layers
+num-query-groups num-workers openai-gelu optimizer output-stage-chunk-size overlap-grad-reduce
+overlap-param-gather pipeline-model-parallel-size position-embedding-type pretrained-checkpoint
+profile profile-ranks profile-step-end profile-step-start rampup-batch-size recompute-activations
+recompute-granularity recompute-method recompute-num-layers reset-attention-mask reset-position-ids
+rope-scaling-factor rope-scaling-high-freq-factor rope-scaling-low-freq-factor
 rope-scaling-original-max-position-embeddings rotary-base rotary-percent save save-interval seed
 seq-length sequence-parallel split swiglu tau-source tempnet-constant-lr tempnet-dropout
-tempnet-hidden-size tempnet-lr
-tempnet-proj-size tempnet-rho tempnet-tau-max tempnet-tau-min tempnet-weight-decay
-tensor-model-parallel-size tensorboard-dir tiktoken-pattern tokenizer-model tokenizer-type
-train-iters train-samples transformer-impl untie-embeddings-and-output-weights use-checkpoint-args
-use-distributed-optimizer use-flash-attn use-mcore-models use-pytorch-profiler use-rope-scaling
-use-rotary-position-embeddings use-tempnet vocab-file vocab-size wandb-entity wandb-exp-name
-wandb-project wandb-save-dir weight-decay yaml-cfg zero-stage"""
+tempnet-hidden-size tempnet-lr tempnet-proj-size tempnet-rho tempnet-tau-max tempnet-tau-min
+tempnet-weight-decay tensor-model-parallel-size tensorboard-dir tiktoken-pattern tokenizer-model
+tokenizer-type train-iters train-samples transformer-impl untie-embeddings-and-output-weights
+use-checkpoint-args use-distributed-optimizer use-flash-attn use-mcore-models use-pytorch-profiler
+use-rope-scaling use-rotary-position-embeddings use-tempnet vocab-file vocab-size wandb-entity
+wandb-exp-name wandb-project wandb-save-dir weight-decay yaml-cfg zero-stage"""
 CLIP_FLAGS = """adam-beta1 adam-beta2 adam-eps async-save checkpoint-timeout-minutes ckpt-digest
 ckpt-format override-opt-param-scheduler use-checkpoint-opt-param-scheduler
 override-opt_param-scheduler hysteresis initial-loss-scale loss-scale loss-scale-window

@@ -303,6 +303,8 @@ class TrainModule(torch.nn.Module):
         self.loss_config, self.vocab_size = loss, vocab_size
         self.freeze_lm, self.tp_group = freeze_lm, tp_group
         self.output_stage = None
+        self.hidden_cache = None
+        """``FrozenHiddenCache`` (--frozen-lm-cache): the frozen LM's hidden states, stored."""
         if loss.fused_output_stage:
             self.output_stage = OutputStage(
                 lm.output_weight, tempnet, loss, vocab_size, tp_group, lm.sequence_parallel
@@ -313,7 +315,11 @@ class TrainModule(torch.nn.Module):
         ``loss_mask`` (``[b, s]``): the mask the step's ``masked_mean`` applies, which spares the
         fused output stage's backward pass its waits for the device."""
         with torch.no_grad() if self.freeze_lm else contextlib.nullcontext():
-            if self.output_stage is not None:
+            if self.hidden_cache is not None:
+                hidden = self.hidden_cache.hidden(  # [s(/tp), b, h]
+                    tokens, position_ids, lambda: self.lm.final_hidden(tokens, position_ids).hidden
+                )
+            elif self.output_stage is not None:
                 hidden = self.lm.final_hidden(tokens, position_ids).hidden  # [s(/tp), b, h]
             else:
                 logits = self.lm(tokens, position_ids)  # [b, s, V_pad/tp]

@@ -10,6 +10,8 @@ with --freeze-lm the LM is in no group at all.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,11 +29,12 @@ from megatron_tempnet.data.gpt_data import (
 from megatron_tempnet.data.loader import DataState, ResumableLoader, dataset_fingerprint
 from megatron_tempnet.data.tokenizer_sidecar import check_tokenizer
 from megatron_tempnet.data.tokenizers import TokenizerConfig
-from megatron_tempnet.distributed.groups import host_group
+from megatron_tempnet.distributed.groups import host_group, resolve_tp_group
 from megatron_tempnet.distributed.sharding import TensorLayout
 from megatron_tempnet.models.gpt import megatron_lm
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.gpt.flops import flops_per_token
+from megatron_tempnet.models.gpt.hidden_cache import FrozenHiddenCache
 from megatron_tempnet.models.gpt.layers import EMBEDDING_OR_OUTPUT, build_gpt_model
 from megatron_tempnet.models.gpt.objective import LossConfig, TrainModule
 from megatron_tempnet.models.gpt.step import evaluate, train_step
@@ -64,6 +67,10 @@ class GPTTrainingConfig(TrainingConfig):
     freeze_lm: bool = False
     """Setting (iii): the LM runs without gradients and is in no optimizer group; only TempNet
     learns."""
+    frozen_lm_cache: str | None = None
+    """With --freeze-lm: a directory where the frozen LM's final hidden states are stored at the
+    first pass over each sample and read at every later one (``models.gpt.hidden_cache``), so
+    that repeated passes and other runs over the same data run only the output stage."""
 
 
 @dataclass
@@ -102,6 +109,30 @@ def _validate_decoupled(config: GPTRunConfig) -> None:
         warn_rank0("--decoupled-lr has no effect with --freeze-lm (the LM's weights do not learn)")
 
 
+def _validate_frozen_lm_cache(config: GPTRunConfig) -> None:
+    """--frozen-lm-cache stores what the frozen LM computes for a sample: only where that does
+    not change from pass to pass and the run's step can start from it."""
+    if config.training.frozen_lm_cache is None:
+        return
+    m, p = config.model, config.parallel
+    why = None
+    if not config.training.freeze_lm:
+        why = "it stores the frozen LM's hidden states: it needs --freeze-lm"
+    elif m.hidden_dropout or m.attention_dropout:
+        why = (f"the LM's dropout (--hidden-dropout {m.hidden_dropout:g}, --attention-dropout "
+               f"{m.attention_dropout:g}) changes its hidden states at every pass: set both "
+               "to 0")  # fmt: skip
+    elif not config.loss.fused_output_stage:
+        why = "it feeds the fused output stage: not with --no-fused-output-stage"
+    elif p.pipeline_model_parallel_size > 1:
+        why = "not with pipeline parallelism (the last stage's input comes from the others)"
+    elif p.zero_stage == 3:
+        why = ("not with ZeRO-3 (it would skip the frozen LM's gathers): a frozen LM has no "
+               "gradients or optimizer states to partition, use --zero-stage 0-2")  # fmt: skip
+    if why:
+        raise ConfigError(f"--frozen-lm-cache {config.training.frozen_lm_cache}: {why}")
+
+
 def validate_gpt(config: GPTRunConfig, world_size: int) -> None:
     """Every check of a pretrain_gpt.py run, before anything is built."""
     pp = config.parallel.pipeline_model_parallel_size
@@ -118,6 +149,7 @@ def validate_gpt(config: GPTRunConfig, world_size: int) -> None:
         )
     if config.training.freeze_lm and not loss.stop_grad:
         raise ConfigError("--freeze-lm and --no-tempnet-stop-grad contradict each other")
+    _validate_frozen_lm_cache(config)
     loss.validate()
     loss.resolve_optimizer(config.optimizer.lr, config.optimizer.weight_decay)
     _validate_decoupled(config)
@@ -199,6 +231,18 @@ def _flops_per_sample(config: GPTRunConfig) -> float:
     tp = config.parallel.tensor_model_parallel_size
     frozen = config.training.freeze_lm
     return flops_per_token(m, tempnet, tp, frozen_lm=frozen) * m.seq_length
+
+
+def _hidden_cache(config: GPTRunConfig, lm, tp_group) -> FrozenHiddenCache:
+    """--frozen-lm-cache's store for this rank, with what its hidden states depend on."""
+    tp = resolve_tp_group(tp_group)
+    settings = {
+        "model": json.loads(json.dumps(dataclasses.asdict(config.model), default=str)),
+        "params_dtype": str(config.training.params_dtype),
+        "tensor_model_parallel_size": config.parallel.tensor_model_parallel_size,
+        "sequence_parallel": config.parallel.sequence_parallel,
+    }
+    return FrozenHiddenCache(config.training.frozen_lm_cache, lm, settings, tp.rank, tp.size)
 
 
 def tempnet_kwargs(config: GPTRunConfig, tp_group) -> dict:
@@ -302,6 +346,8 @@ class GPTTask:
             )
         vocab = config.model.vocab_size
         module = TrainModule(lm, tempnet, config.loss, vocab, t.freeze_lm, tp_group)
+        if t.frozen_lm_cache is not None:
+            module.hidden_cache = _hidden_cache(config, lm, tp_group)
         if config.parallel.zero_stage == 3 and module.output_stage is not None:
             import deepspeed
 
