@@ -22,7 +22,7 @@ PROJECT_FLAGS = frozenset(
         "--output-stage-chunk-size", "--tempnet-hidden-size", "--tempnet-proj-size",
         "--tempnet-tau-min", "--tempnet-tau-max", "--no-tempnet-stop-grad", "--tempnet-lr",
         "--tempnet-weight-decay", "--tempnet-dropout", "--tempnet-constant-lr", "--zero-stage",
-        "--freeze-lm", "--pretrained-checkpoint",
+        "--freeze-lm", "--frozen-lm-cache", "--pretrained-checkpoint",
         "--keep-last", "--load-fallback", "--metrics-file", "--no-bias-swiglu-fusion",
         "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--tempnet-rho",
         "--deepspeed-config", "--rope-scaling-low-freq-factor", "--rope-scaling-high-freq-factor",
