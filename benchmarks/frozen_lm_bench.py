@@ -15,7 +15,10 @@ step by step (the order rotates every step), the median of ``--steps`` after one
 - ``forward+ce``: the LM's final hidden states, then the fused output stage with plain
   cross-entropy (``--loss ce``, fixed tau): the same objective module without TempNet;
 - ``body``: the LM up to its final norm (no output layer), to split each case into the body and
-  its output stage (per step: case minus body, same batch).
+  its output stage (per step: case minus body, same batch);
+- ``train-cached``: ``train`` with ``--frozen-lm-cache``, every batch's hidden states already
+  stored (filled before the timed steps): the iteration that reads them and runs only the output
+  stage. ``train / train-cached`` is the cache's speed-up per TempNet iteration.
 
 Times on two clocks: wall-clock, and on a CPU run this process's CPU time (all threads). On a
 machine shared with other jobs run ``--threads 1`` and read the CPU time: a single thread's CPU
@@ -43,7 +46,9 @@ project, loaded as ``--pretrained-checkpoint`` (its architecture from the checkp
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -121,6 +126,7 @@ def _engine(args):
 
 def build(args) -> dict:
     """The training step of setting (iii) and the baselines' closures over the same LM."""
+    from megatron_tempnet.models.gpt.hidden_cache import FrozenHiddenCache
     from megatron_tempnet.models.gpt.objective import LossConfig, TrainModule, masked_mean
     from megatron_tempnet.trainer.stats import read_step
 
@@ -156,8 +162,30 @@ def build(args) -> dict:
         frozen_params=sum(p.numel() for p in lm.parameters()),
         threads=torch.get_num_threads(),
     )
-    cases = {"train": train, "forward": forward, "forward+ce": forward_ce, "body": body}
-    return {"cases": cases, "shape": shape}
+    # --frozen-lm-cache: the same iteration with the hidden states read from a filled store
+    store = FrozenHiddenCache(tempfile.mkdtemp(prefix="frozen_lm_cache_"), lm, {}, 0, 1)
+    module = engine.module
+
+    def train_cached(batch: dict) -> float:
+        module.hidden_cache = store
+        try:
+            return train(batch)
+        finally:
+            module.hidden_cache = None
+
+    def fill(data: list[dict]) -> None:
+        for batch in data:
+            tokens, positions = batch["tokens"], batch["position_ids"]
+            store.hidden(tokens, positions, functools.partial(body_hidden, tokens, positions))
+        assert store.computed == sum(len(b["tokens"]) for b in data) and store.read == 0
+
+    def body_hidden(tokens, positions):
+        with torch.no_grad():
+            return lm.final_hidden(tokens, positions).hidden
+
+    cases = {"train": train, "train-cached": train_cached, "forward": forward,
+             "forward+ce": forward_ce, "body": body}  # fmt: skip
+    return {"cases": cases, "shape": shape, "fill": fill, "store": store.directory}
 
 
 def batches(args, vocab_size: int, device) -> list[dict]:
@@ -224,6 +252,11 @@ def summarise(times: dict, tokens: int) -> dict:
         row["x_forward_output_layer"] = row["median_s"] / head
     ratios = [a / b for a, b in zip(times["train"], times["forward"])]
     out["train_over_forward_per_step"] = _summary(ratios)
+    ratios = [a / b for a, b in zip(times["train"], times["train-cached"])]
+    out["cache_speedup_per_step"] = _summary(ratios)
+    out["cache_speedup"] = out["cases"]["train"]["median_s"] / statistics.median(
+        times["train-cached"]
+    )
     return out
 
 
@@ -300,13 +333,17 @@ CLOCKS = {"wall": "wall-clock", "cpu": "this process's CPU time, all threads"}
 
 def _print_clock(clock: str, results: dict) -> None:
     print(f"## {CLOCKS[clock]}")
-    print(f"{'case':<11} {'step (s)':>9} {'min-max (s)':>13} {'tokens/s':>9} {'x forward':>9}")
+    print(f"{'case':<12} {'step (s)':>9} {'min-max (s)':>13} {'tokens/s':>9} {'x forward':>9}")
     for name, r in results["cases"].items():
-        print(f"{name:<11} {r['median_s']:>9.3f} {r['min_s']:>6.2f}-{r['max_s']:<6.2f} "
+        print(f"{name:<12} {r['median_s']:>9.3f} {r['min_s']:>6.2f}-{r['max_s']:<6.2f} "
               f"{r['tokens_per_s']:>9.0f} {r['x_forward']:>9.3f}")  # fmt: skip
     r = results["train_over_forward_per_step"]
     print(f"train / forward, step by step: median {r['median_s']:.3f}, {r['min_s']:.3f}-"
           f"{r['max_s']:.3f}")  # fmt: skip
+    r = results["cache_speedup_per_step"]
+    print(f"train / train-cached (--frozen-lm-cache's speed-up per iteration): "
+          f"{results['cache_speedup']:.2f}; step by step: median {r['median_s']:.2f}, "
+          f"{r['min_s']:.2f}-{r['max_s']:.2f}")  # fmt: skip
     print(f"{'output stage (case - body)':<27} {'median (s)':>10} {'min-max (s)':>13} "
           f"{'x forward output layer':>22}")  # fmt: skip
     for name, r in results["stages"].items():
@@ -366,7 +403,9 @@ def main() -> None:
     shape = built["shape"]
     data = batches(args, shape["vocab_size"], device)
     tokens = args.micro_batch * args.seq_length
+    built["fill"](data)  # the store holds every batch's hidden states: train-cached reads them
     times = take_turns(built["cases"], data)
+    shutil.rmtree(built["store"])
     results = {clock: summarise(by_case, tokens) for clock, by_case in times.items()}
     pieces = None
     if args.profile_steps:
