@@ -144,11 +144,18 @@ def progress_line(line: str, total: int, run_name: str) -> str | None:
 def table(results: dict) -> list[str]:
     """The console table: tau's mean +- std, its correlation with the per-token optimum and the
     held-out (T-LLM) perplexity of every row."""
-    rows = [("run (frozen LM)", "tau mean +- std", "corr. w/ optimum", "held-out ppl")]
-    for name, (mean, std, corr, ppl) in results["rows"].items():
+    rows = [("run (frozen LM)", "tau mean +- std", "corr. w/ optimum", "held-out ppl", "ECE",
+             "Brier")]  # fmt: skip
+    for name, (mean, std, corr, ppl, cal) in results["rows"].items():
         spread = f"{mean:.3f} +- {std:.3f}" if std else f"{mean:g}"
-        rows.append((name, spread, "" if corr is None else f"{corr:.2f}", f"{ppl:.2f}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        rows.append((name, spread, "" if corr is None else f"{corr:.2f}", f"{ppl:.2f}",
+                     f"{cal['ece']:.4f}", f"{cal['brier']:.4f}"))  # fmt: skip
+    return _aligned(rows)
+
+
+def _aligned(rows: list[tuple]) -> list[str]:
+    """The console table: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for j, row in enumerate(rows):
         cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
@@ -163,7 +170,14 @@ def main() -> int:
     p.add_argument("--out", default=os.path.join(REPO, "runs", "real_lm"), help="work dir")
     p.add_argument("--cache", default=os.path.expanduser("~/.cache/megatron_tempnet"),
                    help="where the GGUF file is kept between runs")  # fmt: skip
-    p.add_argument("--iters", type=int, default=150, help="TempNet iterations of each run")
+    p.add_argument(
+        "--iters",
+        type=int,
+        help="iterations of each run (default: 300 on the frozen LM, 80 finetuning)",
+    )
+    p.add_argument("--no-frozen-lm-cache", dest="frozen_lm_cache", action="store_false",
+                   help="compute the frozen LM's hidden states at every iteration instead of "
+                   "once per sample (pretrain_gpt.py --frozen-lm-cache)")  # fmt: skip
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--tempnet-lr", type=float, default=1e-2)
@@ -181,6 +195,7 @@ def main() -> int:
     args = p.parse_args()
     chosen = FINETUNE_RUNS if args.finetune else RUNS
     args.runs = args.runs or list(chosen)
+    args.iters = args.iters or (80 if args.finetune else 300)
     if not set(args.runs) <= set(chosen):
         p.error(f"--runs: {', '.join(sorted(set(args.runs) - set(chosen)))} is not a run of "
                 f"{'--finetune' if args.finetune else 'the frozen LM'}")  # fmt: skip
@@ -250,6 +265,9 @@ def main() -> int:
         "--log-interval",
         str(max(args.iters // 5, 1)),
     ]
+    shutil.rmtree(out("hidden"), ignore_errors=True)  # this import's LM: filled by the first run
+    if args.frozen_lm_cache:
+        common += ["--frozen-lm-cache", out("hidden")]
     for i, name in enumerate(args.runs):
         label, flags = RUNS[name]
         shutil.rmtree(out(name), ignore_errors=True)
@@ -260,6 +278,12 @@ def main() -> int:
             + ["--metrics-file", out(f"{name}.metrics.jsonl")], out("logs", f"{name}.log"),
             lambda line, name=name: progress_line(line, args.iters, name), env)  # fmt: skip
         print(f"      {time.perf_counter() - tic:.0f} s")
+    if args.frozen_lm_cache:
+        stored = [os.path.join(d, f) for d, _, fs in os.walk(out("hidden")) for f in fs
+                  if f.endswith(".pt")]  # fmt: skip
+        size = sum(os.path.getsize(f) for f in stored) / 2**20
+        print(f"      the frozen LM's hidden states: {len(stored)} samples in {show('hidden')} "
+              f"({size:.0f} MiB), computed by the first run, read by every later pass")  # fmt: skip
 
     results = {"rows": {}, "runs": {}}
     for i, name in enumerate(args.runs):
@@ -267,27 +291,31 @@ def main() -> int:
         run(evaluate + ["--load", out(name), "--tau-source", "newton", "--jsonl"]
             + [out("heldout.jsonl"), "--output", out(f"{name}_heldout.json")]
             + (["--max-documents", str(args.max_heldout)] if args.max_heldout else [])
-            + ["--per-token-output", out(f"{name}_tau.jsonl"), *extra],
+            + ["--per-token-output", out(f"{name}_tau.jsonl"), "--calibration", *extra],
             out("logs", f"evaluate_{name}.log"), env=env)  # fmt: skip
         with open(out(f"{name}_heldout.json")) as f:
             results["runs"][name] = json.load(f)
     first = results["runs"][args.runs[0]]
-    rows = results["rows"]
-    rows["tau = 1"] = (1.0, 0.0, None, first["ppl"])
+    rows, cal = results["rows"], first["calibration"]
+    rows["tau = 1"] = (1.0, 0.0, None, first["ppl"], cal["tau_1"])
     best = first["best_fixed_tau"]
     rows[f"best fixed tau of {{{', '.join(f'{t:g}' for t in GRID)}}}"] = (
-        best, 0.0, None, first["best_fixed_tllm_ppl"])  # fmt: skip
+        best, 0.0, None, first["best_fixed_tllm_ppl"], cal["best_fixed"])  # fmt: skip
     for name in args.runs:
         r = results["runs"][name]
         rows[RUNS[name][0]] = (r["tempnet_tau_mean"], r["tempnet_tau_std"], r["tau_correlation"],
-                               r["tempnet_tllm_ppl"])  # fmt: skip
+                               r["tempnet_tllm_ppl"], r["calibration"]["tempnet"])  # fmt: skip
     rows["per-token DRO optimum (Baseline 2, exact)"] = (
-        first["tau_mean"], first["tau_std"], None, first["tllm_ppl"])  # fmt: skip
+        first["tau_mean"], first["tau_std"], None, first["tllm_ppl"], cal["scored"])  # fmt: skip
     with open(out("results.json"), "w") as f:
         json.dump(results, f, indent=2)
-    print(f"[6/8] held-out text: {first['tokens']:,} tokens (evaluate.py --tau-source newton)")
+    print(f"[6/8] held-out text: {first['tokens']:,} tokens (evaluate.py --tau-source newton "
+          "--calibration)")  # fmt: skip
     print("\n".join(table(results)))
     verdicts(results, args.runs)
+    panels = [f"{RUNS[n][0]}={out(f'{n}_heldout.json')}" for n in args.runs[:1] + ["ts-ce"]
+              if n in args.runs]  # fmt: skip
+    diagram(out, show, panels, python, env)
 
     picture(out, show, args.runs[0], python, env)
     generations(out, show, gguf, args.runs[0], python, env)
@@ -322,23 +350,22 @@ def finetune(args, out, show, lm, model_flags, tokenizer, evaluate, env, start) 
         print(f"      {time.perf_counter() - tic:.0f} s")
     results = {"runs": {}}
     limit = ["--max-documents", str(args.max_heldout)] if args.max_heldout else []
-    for name in args.runs:
-        scores = {}
-        sources = [("tau1", ["--fixed-tau", "1", "--tau-grid", *(f"{t:g}" for t in GRID)])]
-        if name != "ce":
-            sources.append(("tempnet", []))
-        for tag, flags in sources:
-            path = out(f"ft-{name}_{tag}.json")
-            run(evaluate + ["--load", out(f"ft-{name}"), "--jsonl", out("heldout.jsonl")]
-                + ["--output", path, "--calibration", *limit, *flags],
-                out("logs", f"evaluate_ft-{name}_{tag}.log"), env=env)  # fmt: skip
-            with open(path) as f:
-                scores[tag] = json.load(f)
-        results["runs"][name] = scores
+    for name in args.runs:  # tau = 1, the grid, TempNet's tau beside each token's optimum
+        path = out(f"ft-{name}_heldout.json")
+        run(evaluate + ["--load", out(f"ft-{name}"), "--jsonl", out("heldout.jsonl")]
+            + ["--output", path, "--tau-source", "newton", "--calibration", *limit]
+            + ["--tau-grid", *(f"{t:g}" for t in GRID)],
+            out("logs", f"evaluate_ft-{name}.log"), env=env)  # fmt: skip
+        with open(path) as f:
+            results["runs"][name] = json.load(f)
     with open(out("finetune_results.json"), "w") as f:
         json.dump(results, f, indent=2)
-    print(f"[6/6] held-out text: {results['runs'][args.runs[0]]['tau1']['tokens']:,} tokens")
+    print(f"[6/6] held-out text: {results['runs'][args.runs[0]]['tokens']:,} tokens "
+          "(evaluate.py --tau-source newton --calibration)")  # fmt: skip
     print("\n".join(finetune_table(results, args.runs)))
+    finetune_verdicts(results, args.runs)
+    panels = [f"{FINETUNE_RUNS[n][0]}={out(f'ft-{n}_heldout.json')}" for n in args.runs]
+    diagram(out, show, panels, python, env, sources=("tau_1", "best_fixed", "tempnet"))
     print(f"done in {time.perf_counter() - start:.0f} s; the table in "
           f"{show('finetune_results.json')}")  # fmt: skip
     return 0
@@ -346,30 +373,51 @@ def finetune(args, out, show, lm, model_flags, tokenizer, evaluate, env, start) 
 
 def finetune_table(results: dict, runs: list[str]) -> list[str]:
     """Per finetuned run: perplexity at tau = 1, at the grid's best fixed tau, with its TempNet's
-    tau; tau mean +- std; ECE and Brier at each."""
+    tau; TempNet's tau mean +- std and correlation with each token's optimum; ECE and Brier at
+    tau = 1 and at TempNet's tau."""
     rows = [("run (finetuned LM)", "ppl tau=1", "best fixed", "T-LLM ppl", "tau mean +- std",
-             "ECE 1 / T", "Brier 1 / T")]  # fmt: skip
+             "corr. w/ optimum", "ECE 1 / T", "Brier 1 / T")]  # fmt: skip
     for name in runs:
-        one = results["runs"][name]["tau1"]
-        t = results["runs"][name].get("tempnet")
-        cal1, calt = one["calibration"]["scored"], (t or {}).get("calibration", {}).get("scored")
+        r = results["runs"][name]
+        cal1, calt = r["calibration"]["tau_1"], r["calibration"].get("tempnet")
+        has = "tempnet_tau_mean" in r
+        corr = r.get("tau_correlation")
         rows.append((
             FINETUNE_RUNS[name][0],
-            f"{one['ppl']:.2f}",
-            f"{one['best_fixed_tllm_ppl']:.2f} @ {one['best_fixed_tau']:g}",
-            f"{t['tllm_ppl']:.2f}" if t else "",
-            f"{t['tau_mean']:.3f} +- {t['tau_std']:.3f}" if t else "",
+            f"{r['ppl']:.2f}",
+            f"{r['best_fixed_tllm_ppl']:.2f} @ {r['best_fixed_tau']:g}",
+            f"{r['tempnet_tllm_ppl']:.2f}" if has else "",
+            f"{r['tempnet_tau_mean']:.3f} +- {r['tempnet_tau_std']:.3f}" if has else "",
+            f"{corr:.2f}" if has and corr is not None else "",
             f"{cal1['ece']:.4f}" + (f" / {calt['ece']:.4f}" if calt else ""),
             f"{cal1['brier']:.4f}" + (f" / {calt['brier']:.4f}" if calt else ""),
         ))  # fmt: skip
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for j, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
-        lines.append("      " + " | ".join(cells))
-        if j == 0:
-            lines.append("      " + "-+-".join("-" * w for w in widths))
-    return lines
+    return _aligned(rows)
+
+
+def finetune_verdicts(results: dict, runs: list[str]) -> None:
+    """Each TempNet run against the CE baseline's perplexity at tau = 1, said plainly."""
+    if "ce" not in runs:
+        return
+    base = results["runs"]["ce"]["ppl"]
+    for name in runs:
+        r = results["runs"][name]
+        if name == "ce" or "tempnet_tllm_ppl" not in r:
+            continue
+        scored = (("at tau = 1", r["ppl"]), ("with its TempNet's tau", r["tempnet_tllm_ppl"]))
+        for what, ppl in scored:
+            change = (ppl / base - 1) * 100
+            print(f"      {FINETUNE_RUNS[name][0]} {what}: {ppl:.2f} vs CE's {base:.2f} "
+                  f"({change:+.1f} %): {'lower' if ppl < base else 'NOT lower'}")  # fmt: skip
+
+
+def diagram(out, show, panels: list[str], python, env, sources=None) -> None:
+    """Reliability diagrams of the held-out evaluations (tools/reliability_diagram.py)."""
+    run(python + [os.path.join(REPO, "tools", "reliability_diagram.py"), "--input", *panels]
+        + ["--output", out("reliability.png")]
+        + (["--sources", *sources] if sources else []), out("logs", "reliability.log"),
+        env=env)  # fmt: skip
+    print(f"      reliability diagrams: {show('reliability.png')}")
 
 
 def verdicts(results: dict, runs: list[str]) -> None:
@@ -377,7 +425,7 @@ def verdicts(results: dict, runs: list[str]) -> None:
     rows = results["rows"]
     best_fixed = next(v for k, v in rows.items() if k.startswith("best fixed"))[3]
     if "dro" in runs:
-        mean, std, corr, _ = rows[RUNS["dro"][0]]
+        mean, std, corr, _, _ = rows[RUNS["dro"][0]]
         corr = float("nan") if corr is None else corr  # a constant tau has no correlation
         ok = std / mean >= 0.05 and corr >= 0.7
         print(f"      DRO TempNet's tau: std / mean {std / mean:.3f} (>= 0.05?), correlation "
@@ -409,7 +457,9 @@ def generations(out, show, gguf: str, name: str, python: list[str], env: dict) -
     generate = python + [os.path.join(REPO, "tools", "generate.py"), "--load", out(name)]
     generate += ["--prompts", out("prompts.txt"), "--sample", "--seed", "1"]
     generate += ["--max-new-tokens", "40"]
-    for tag, extra in (("tempnet", []), ("tau1", ["--fixed-tau", "1"])):
+    variants = (("tempnet", []), ("target", ["--tau-target-mean", "0.7"]),
+                ("tau1", ["--fixed-tau", "1"]))  # fmt: skip
+    for tag, extra in variants:
         run(generate + extra + ["--output", out(f"generations_{tag}.jsonl")],
             out("logs", f"generate_{tag}.log"), env=env)  # fmt: skip
     run(python + [os.path.join(REPO, "tools", "export_tempnet.py"), "--load", out(name)]
@@ -418,22 +468,23 @@ def generations(out, show, gguf: str, name: str, python: list[str], env: dict) -
         + ["--tempnet", out("tempnet_export"), "--prompts", out("prompts.txt")]
         + ["--output", out("generations_transformers.jsonl")],
         out("logs", "generate_transformers.log"), env=env)  # fmt: skip
-    print(
-        "[8/8] samples (40 tokens): TempNet's tau | tau = 1 | transformers with "
-        "TempNetLogitsProcessor"
-    )
-    files = [out(f"generations_{tag}.jsonl") for tag in ("tempnet", "tau1", "transformers")]
+    tags = ("tempnet", "target", "tau1", "transformers")
     records = []
-    for path in files:
-        with open(path) as f:
+    for tag in tags:
+        with open(out(f"generations_{tag}.jsonl")) as f:
             records.append([json.loads(line) for line in f])
+    bound = records[1][0]["sampling"]["tau_max_eval"]
+    print("[8/8] samples (40 tokens): TempNet's tau | TempNet's scaled to a mean of 0.7 over the "
+          f"prompts (--tau-target-mean 0.7: upper bound {bound:.3f}) | tau = 1 | transformers "
+          "with TempNetLogitsProcessor")  # fmt: skip
+    labels = ("TempNet", "TempNet -> 0.7", "tau = 1", "HF + TempNet")
     for i, prompt in enumerate(PROMPTS):
         print(f"      {prompt!r}")
-        for label, rows in zip(("TempNet", "tau = 1", "HF + TempNet"), records):
+        for label, rows in zip(labels, records):
             taus = rows[i]["tau"]
             mean = sum(taus) / max(len(taus), 1)
             text = " ".join(rows[i]["response"].split())[:150]
-            print(f"        {label:<13} (tau {mean:.2f}) {text}")
+            print(f"        {label:<14} (tau {mean:.2f}) {text}")
     print(f"      all of them, with every token's tau: {show('generations_*.jsonl')}")
 
 

@@ -437,11 +437,47 @@ def test_the_real_lm_example_runs_on_a_small_file(converted, tmp_path):
     assert rows["per-token DRO optimum (Baseline 2, exact)"][3] == dro["tllm_ppl"]
     tsce = rows["TS-CE TempNet (Baseline 3 loss)"]
     assert tsce[3] == results["runs"]["ts-ce"]["tempnet_tllm_ppl"]
-    for name in rows:  # the table prints every row with its perplexity
-        assert re.search(rf"{re.escape(name)} +\|.*\| +{rows[name][3]:.2f}\n", r.stdout), name
-    assert (out / "tau.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for tag in ("tempnet", "tau1", "transformers"):
+    assert rows["tau = 1"][4] == dro["calibration"]["tau_1"]
+    assert tsce[4] == results["runs"]["ts-ce"]["calibration"]["tempnet"]
+    for name in rows:  # the table prints every row with its perplexity, ECE and Brier score
+        ppl, cal = rows[name][3], rows[name][4]
+        line = rf"{re.escape(name)} +\|.*\| +{ppl:.2f} \| +{cal['ece']:.4f} \| {cal['brier']:.4f}\n"
+        assert re.search(line, r.stdout), name
+    # the second run read the hidden states the first one stored
+    stored = re.search(r"the frozen LM's hidden states: (\d+) samples", r.stdout)
+    assert stored and int(stored[1]) == len(list((out / "hidden").glob("*/*/*.pt"))) > 0
+    for picture in ("tau.png", "reliability.png"):
+        assert (out / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for tag in ("tempnet", "target", "tau1", "transformers"):
         lines = (out / f"generations_{tag}.jsonl").read_text().splitlines()
         records = [json.loads(x) for x in lines]
         assert len(records) == 3 and all(len(g["tau"]) > 0 for g in records), tag
+    plain, scaled = (
+        [json.loads(x) for x in (out / f"generations_{tag}.jsonl").read_text().splitlines()]
+        for tag in ("tempnet", "target")
+    )
+    assert plain[0]["sampling"]["tau_max_eval"] is None
+    assert scaled[0]["sampling"]["tau_max_eval"] > 0
     assert "TS-CE loss" in r.stdout and r.stderr == ""
+    # setting (ii): the LM finetuned with CE and with DRO + TempNet, scored on the same text
+    finetune = cmd[:2] + ["--out", str(tmp_path / "ft")] + cmd[4:7]
+    finetune += [
+        "2",
+        "--seq-length",
+        "32",
+        "--finetune",
+        "--runs",
+        "ce",
+        "dro",
+        "--max-heldout",
+        "3",
+    ]
+    r = subprocess.run(finetune, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    runs = json.loads((tmp_path / "ft" / "finetune_results.json").read_text())["runs"]
+    assert "tempnet_tllm_ppl" not in runs["ce"] and runs["dro"]["tempnet_tau_std"] >= 0
+    for name, label in (("ce", "CE (the baseline)"), ("dro", "DRO TempNet (setting ii)")):
+        row = re.search(rf"{re.escape(label)} +\| +([\d.]+) \|", r.stdout)
+        assert row and float(row[1]) == round(runs[name]["ppl"], 2), r.stdout
+    verdict = f"DRO TempNet (setting ii) at tau = 1: {runs['dro']['ppl']:.2f} vs CE's"
+    assert verdict in r.stdout and (tmp_path / "ft" / "reliability.png").exists()
