@@ -14,7 +14,9 @@ ZeRO stage, activations, the logits shard, the loss's and TempNet's buffers) and
 the CUDA context, NCCL buffers and allocator fragmentation (plan a few GiB for them).
 
 --async-save adds the host memory a rank's background saves hold (pinned, outside the GPU
-total): its checkpoint share, for the stage with the largest one.
+total): its checkpoint share, for the stage with the largest one. --frozen-lm-cache (with
+--freeze-lm; --cache-tokens N) adds what pretrain_gpt.py --frozen-lm-cache stores on disk and
+what an iteration that reads it costs.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from megatron_tempnet.models.attention import ATTENTION_BACKENDS
 from megatron_tempnet.models.clip import memory as clip_memory
 from megatron_tempnet.models.clip.config import CLIP_LOSSES, CLIP_PRESETS, CLIPModelConfig
 from megatron_tempnet.models.gpt.config import PRESETS, ModelConfig
+from megatron_tempnet.models.gpt.flops import flops_per_token, output_stage_flops_per_token
 from megatron_tempnet.models.gpt.memory import (
     GIB,
+    PRECISIONS,
     EstimateError,
     Layout,
     checkpoint_bytes_per_param,
@@ -111,7 +115,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="the run saves in the background: also print the host memory per rank its copies "
         "hold (the rank's checkpoint share, pinned)",
     )
+    p.add_argument(
+        "--frozen-lm-cache",
+        action="store_true",
+        help="with --freeze-lm: also print what pretrain_gpt.py --frozen-lm-cache stores per "
+        "token and what a pass that reads it costs",
+    )
+    p.add_argument(
+        "--cache-tokens",
+        type=float,
+        help="with --frozen-lm-cache: the distinct training tokens stored (e.g. 1e8)",
+    )
     return p
+
+
+def cache_lines(model: ModelConfig, layout: Layout, tokens: float | None) -> list[str]:
+    """--frozen-lm-cache: the store's size per token (and for ``tokens``), and the FLOPs of an
+    iteration that reads it against one that computes the hidden states."""
+    if not layout.freeze_lm:
+        raise EstimateError("--frozen-lm-cache stores a frozen LM's hidden states: add --freeze-lm")
+    tp = layout.tensor_parallel
+    tempnet = (layout.tempnet_hidden_size, layout.tempnet_proj_size) if layout.tempnet else None
+    per_token = model.hidden_size * PRECISIONS[layout.precision]
+    folders = 1 if layout.sequence_parallel else tp  # each TP rank stores its part, or all of it
+    full = flops_per_token(model, tempnet, tp, frozen_lm=True)
+    stage = output_stage_flops_per_token(model, tempnet, tp)
+    whole = f" x TP {tp}: each TP rank stores all of it without --sequence-parallel"
+    lines = [
+        f"--frozen-lm-cache: {_decimal_bytes(per_token * folders)} per token stored (hidden "
+        f"{model.hidden_size} x {PRECISIONS[layout.precision]} B{whole if folders > 1 else ''})",
+        f"  a pass that reads it: {stage / full:.2%} of the FLOPs of one that computes it "
+        f"({stage / 1e9:.3g} of {full / 1e9:.3g} GFLOP per token); it pays from the second pass "
+        "over a sample (more epochs, a rho sweep, other losses on the same data)",
+    ]
+    if tokens:
+        lines.append(f"  {tokens:.3g} tokens: {_decimal_bytes(tokens * per_token * folders)} "
+                     "on disk")  # fmt: skip
+    return lines
 
 
 def _model(args) -> ModelConfig:
@@ -282,7 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     args.model = args.model or "llama2-70b"
     if args.model not in PRESETS:
         raise EstimateError(f"--model {args.model} is a CLIP model: add --clip")
-    print(report(_model(args), _layout(args), args.gpu_memory_gb, args.async_save))
+    if args.cache_tokens is not None and not args.frozen_lm_cache:
+        raise EstimateError("--cache-tokens is for --frozen-lm-cache")
+    model, layout = _model(args), _layout(args)
+    print(report(model, layout, args.gpu_memory_gb, args.async_save))
+    if args.frozen_lm_cache:
+        print("\n".join(cache_lines(model, layout, args.cache_tokens)))
     return 0
 
 

@@ -191,6 +191,24 @@ def test_the_70b_recipe_and_flag_errors():
     assert frozen.returncode == 0, frozen.stderr
     assert "parameters: LM 68.98 B, TempNet 8.26 M" in frozen.stdout
     assert "of 80 GiB: fits" in frozen.stdout
+    # --frozen-lm-cache: hidden 8192 in bf16 per token; a reading pass costs the output layer
+    # forward over the vocabulary padded to 32768 at TP 8 and TempNet's W1 (256 x 32000) and W2
+    # (256 x 256) forward and backward, against the frozen LLaMA-2-70B's forward pass: 80 layers
+    # of QKV (8192 x (64 + 2 x 8) x 128), output projection (8192^2) and SwiGLU MLP
+    # (3 x 8192 x 28672), causal attention 80 x 4096 x 8192, the output layer, and TempNet
+    cache = _tool(*recipe, "--freeze-lm", "--sequence-parallel", "--frozen-lm-cache",
+                  "--cache-tokens", "1e8")  # fmt: skip
+    stage = 2 * 8192 * 32768 + 6 * (256 * 32000 + 256 * 256)
+    layer = 8192 * 80 * 128 + 8192**2 + 3 * 8192 * 28672
+    whole = 2 * (80 * layer + 80 * 4096 * 8192 + 8192 * 32768) + 6 * (256 * 32000 + 256 * 256)
+    assert cache.returncode == 0, cache.stderr
+    assert "--frozen-lm-cache: 16.4 kB per token stored (hidden 8192 x 2 B)" in cache.stdout
+    assert f"{stage / whole:.2%} of the FLOPs" in cache.stdout and stage / whole < 0.0042
+    assert "1e+08 tokens: 1638.4 GB on disk" in cache.stdout  # 1e8 x 16384 B
+    whole_states = _tool(*recipe, "--freeze-lm", "--frozen-lm-cache")  # each TP rank: all of it
+    assert "131.1 kB per token stored (hidden 8192 x 2 B x TP 8" in whole_states.stdout
+    refused = _tool(*recipe, "--frozen-lm-cache")
+    assert refused.returncode == 1 and "add --freeze-lm" in refused.stderr
     full = _tool(*recipe)  # the fused attention keeps no [b, heads, s, s] softmax
     assert full.returncode == 0 and "of 80 GiB: fits" in full.stdout
     unfused = _tool(*recipe, "--attention-backend", "unfused")

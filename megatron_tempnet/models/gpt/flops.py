@@ -60,3 +60,12 @@ def _tempnet_params(model: ModelConfig, tempnet: tuple[int, int] | None) -> int:
         return 0
     d1, d2 = tempnet
     return d1 * model.vocab_size + d2 * d1
+
+
+def output_stage_flops_per_token(
+    model: ModelConfig, tempnet: tuple[int, int] | None, tensor_parallel: int = 1
+) -> float:
+    """With --freeze-lm, the part of ``flops_per_token`` after the final hidden states: the output
+    layer forward and TempNet forward and backward. An iteration that reads the hidden states
+    from ``--frozen-lm-cache`` costs this."""
+    return 2.0 * _output_params(model, tensor_parallel) + 6.0 * _tempnet_params(model, tempnet)
