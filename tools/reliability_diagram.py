@@ -17,10 +17,12 @@ import json
 import os
 import sys
 
+from megatron_tempnet.utils.cli import UserError, run_tool
+
 SOURCES = ("tau_1", "scored", "best_fixed", "tempnet")
 
 
-class DiagramError(ValueError):
+class DiagramError(UserError, ValueError):
     """Bad input; names the file or the flag."""
 
 
@@ -132,8 +134,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except DiagramError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(run_tool(main))

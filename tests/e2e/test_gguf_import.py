@@ -403,31 +403,22 @@ def test_dequantisation_follows_the_block_layout(qtype):
 def test_the_real_lm_example_runs_on_a_small_file(converted, tmp_path):
     """``examples/real_lm.py`` (``make real-lm``) end to end on the small grouped-query file
     instead of SmolLM2: import, parity with transformers, TempNet trained two ways on the frozen
-    LM, the held-out table from tools/evaluate.py, the picture and the generations."""
+    LM (the second run reading the first one's hidden states), the held-out table from
+    tools/evaluate.py, the pictures and the generations; then --finetune (CE and DRO)."""
     import json
     import re
     import subprocess
 
+    def real_lm(out, *flags) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, os.path.join(REPO, "examples", "real_lm.py"), "--out", str(out)]
+        cmd += ["--gguf", str(converted["files"]["gqa"]), "--seq-length", "32"]
+        cmd += ["--max-heldout", "3", *flags]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return r
+
     out = tmp_path / "rl"
-    cmd = [
-        sys.executable,
-        os.path.join(REPO, "examples", "real_lm.py"),
-        "--out",
-        str(out),
-        "--gguf",
-        str(converted["files"]["gqa"]),
-        "--iters",
-        "4",
-        "--seq-length",
-        "32",
-        "--runs",
-        "dro",
-        "ts-ce",
-        "--max-heldout",
-        "3",
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = real_lm(out, "--iters", "4", "--runs", "dro", "ts-ce")
     difference = re.search(r"largest per-token difference ([\d.e+-]+) nats", r.stdout)
     assert difference and float(difference[1]) < 1e-4, r.stdout
     results = json.loads((out / "results.json").read_text())
@@ -448,32 +439,16 @@ def test_the_real_lm_example_runs_on_a_small_file(converted, tmp_path):
     assert stored and int(stored[1]) == len(list((out / "hidden").glob("*/*/*.pt"))) > 0
     for picture in ("tau.png", "reliability.png"):
         assert (out / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    samples = {}
     for tag in ("tempnet", "target", "tau1", "transformers"):
         lines = (out / f"generations_{tag}.jsonl").read_text().splitlines()
-        records = [json.loads(x) for x in lines]
-        assert len(records) == 3 and all(len(g["tau"]) > 0 for g in records), tag
-    plain, scaled = (
-        [json.loads(x) for x in (out / f"generations_{tag}.jsonl").read_text().splitlines()]
-        for tag in ("tempnet", "target")
-    )
-    assert plain[0]["sampling"]["tau_max_eval"] is None
-    assert scaled[0]["sampling"]["tau_max_eval"] > 0
+        samples[tag] = [json.loads(x) for x in lines]
+        assert len(samples[tag]) == 3 and all(len(g["tau"]) > 0 for g in samples[tag]), tag
+    assert samples["tempnet"][0]["sampling"]["tau_max_eval"] is None
+    assert samples["target"][0]["sampling"]["tau_max_eval"] > 0
     assert "TS-CE loss" in r.stdout and r.stderr == ""
     # setting (ii): the LM finetuned with CE and with DRO + TempNet, scored on the same text
-    finetune = cmd[:2] + ["--out", str(tmp_path / "ft")] + cmd[4:7]
-    finetune += [
-        "2",
-        "--seq-length",
-        "32",
-        "--finetune",
-        "--runs",
-        "ce",
-        "dro",
-        "--max-heldout",
-        "3",
-    ]
-    r = subprocess.run(finetune, capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = real_lm(tmp_path / "ft", "--iters", "2", "--finetune", "--runs", "ce", "dro")
     runs = json.loads((tmp_path / "ft" / "finetune_results.json").read_text())["runs"]
     assert "tempnet_tllm_ppl" not in runs["ce"] and runs["dro"]["tempnet_tau_std"] >= 0
     for name, label in (("ce", "CE (the baseline)"), ("dro", "DRO TempNet (setting ii)")):
