@@ -146,7 +146,7 @@ def cache_lines(model: ModelConfig, layout: Layout, tokens: float | None) -> lis
         f"{model.hidden_size} x {PRECISIONS[layout.precision]} B{whole if folders > 1 else ''})",
         f"  a pass that reads it: {stage / full:.2%} of the FLOPs of one that computes it "
         f"({stage / 1e9:.3g} of {full / 1e9:.3g} GFLOP per token); it pays from the second pass "
-        "over a sample (more epochs, a rho sweep, other losses on the same data)",
+        "over a sample (other runs on the same samples: a rho sweep, other losses)",
     ]
     if tokens:
         lines.append(f"  {tokens:.3g} tokens: {_decimal_bytes(tokens * per_token * folders)} "

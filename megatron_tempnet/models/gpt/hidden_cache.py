@@ -3,8 +3,10 @@
 In setting (iii) the LM never changes, so the output layer's input for a sample (its tokens and
 positions) is the same at every pass. The first pass over a sample computes it and stores this
 rank's part (``[s, h]``, or ``[s/tp, h]`` with sequence parallelism) in
-``DIR/tpRR-of-NN/KK/KEY.pt``; later passes, in this run or another one over the same data (a rho
-sweep, another loss, more epochs), read it and run only the output stage with TempNet. A
+``DIR/tpRR-of-NN/KK/KEY.pt``; later passes over the same sample, in this run or another one on
+the same data (a rho sweep, another loss, a resumed run), read it and run only the output stage
+with TempNet. Later epochs of one run find few: GPTDataset shuffles each epoch's documents before
+cutting them into samples, so an epoch's samples are other windows of the text. A
 micro-batch is read when every one of its samples is stored, else computed whole (the stored
 values are then the ones this batch produced), so a run over the same batches gives the same
 losses cached or not.
