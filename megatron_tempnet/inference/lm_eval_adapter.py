@@ -76,6 +76,8 @@ class MegatronTempNetLM(TemplateLM):
             tempnet=tempnet,
             fixed_tau=None if fixed_tau is None else float(fixed_tau),
             tau_max_eval=None if tau_max_eval is None else float(tau_max_eval),
+            tau_target_mean=None,
+            tau_target_sample=None,
             tensor_model_parallel_size=int(os.environ.get("WORLD_SIZE", "1")),
             bf16=str(bf16).lower() in ("1", "true"),
             attention_backend=attention_backend,
