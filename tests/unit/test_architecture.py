@@ -317,3 +317,40 @@ def test_no_reference_to_a_design_document_outside_the_repository():
             if any(name in text for name in OUTSIDE_DOCUMENTS):
                 offenders.append(os.path.relpath(path, REPO))
     assert offenders == [] and os.path.isfile(os.path.join(REPO, "docs", "design.md"))
+
+
+def _design_tree() -> set[str]:
+    """The paths docs/design.md's package tree names (its ``megatron_tempnet/`` block: an entry is
+    a line whose first words are file or folder names; the indentation gives the folder)."""
+    with open(os.path.join(REPO, "docs", "design.md")) as f:
+        text = f.read()
+    block = text[text.index("    megatron_tempnet/\n") :]
+    block = block[: block.index("\n\n")]
+    name = r"[A-Za-z_][\w]*(?:\.py|/)"
+    entry = re.compile(rf"^( *)({name}(?:, {name})*)(?:\s|$)")
+    folders: list[tuple[int, str]] = []
+    named = set()
+    for line in block.splitlines():
+        m = entry.match(line)
+        if not m:
+            continue
+        while folders and folders[-1][0] >= len(m[1]):
+            folders.pop()
+        names = m[2].split(", ")
+        named |= {"".join(f for _, f in folders) + n for n in names}
+        if names[-1].endswith("/"):
+            folders.append((len(m[1]), names[-1]))
+    return named
+
+
+def test_the_design_documents_package_tree_names_every_module():
+    named = _design_tree()
+    modules = {
+        os.path.relpath(os.path.join(d, f), REPO)
+        for d, _, files in os.walk(PACKAGE)
+        for f in files
+        if f.endswith(".py") and f != "__init__.py"
+    }
+    assert "megatron_tempnet/trainer/loop.py" in named and len(named) > 100
+    assert sorted(modules - named) == []
+    assert sorted(n for n in named if not os.path.exists(os.path.join(REPO, n))) == []
