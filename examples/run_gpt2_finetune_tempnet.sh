@@ -16,7 +16,9 @@
 #   DATA_PATH       [data/owt2_gpt2_text_document]   SPLIT [949,50,1]
 #   RUN_DIR         [runs/gpt2_finetune_tempnet]
 #   MODEL [gpt2-125m]  TP [1]  PP [1]  ZERO [1]  TRAIN_ITERS [50000]  GLOBAL_BATCH [32]
-#   MICRO_BATCH [4]  RHO [10]  SEQ_LENGTH [the preset's: 1024]  EXTRA_ARGS [more flags]
+#   MICRO_BATCH [4]  RHO [10]  SEQ_LENGTH [the preset's: 1024]  PRECISION [bf16] bf16 or fp32
+#   (as in run_gpt2_tempnet.sh: the LM in bf16, TempNet and the loss a float32 island)
+#   EXTRA_ARGS [more flags]
 #
 #SBATCH --job-name=gpt2-finetune-tempnet
 #SBATCH --nodes=1
@@ -37,8 +39,10 @@ tempnet_init
 RUN_DIR=${RUN_DIR:-runs/gpt2_finetune_tempnet}
 tempnet_run_flags
 
+tempnet_precision_flags
+
 FLAGS=(
-    --model "${MODEL:-gpt2-125m}"
+    --model "${MODEL:-gpt2-125m}" "${PRECISION_FLAGS[@]}"
     --tensor-model-parallel-size "${TP:-1}" --pipeline-model-parallel-size "${PP:-1}"
     --zero-stage "${ZERO:-1}"
     --tokenizer-type GPT2BPETokenizer

@@ -43,11 +43,7 @@ tempnet_init
 RUN_DIR=${RUN_DIR:-runs/gpt2_tempnet}
 tempnet_run_flags
 
-case ${PRECISION:-bf16} in
-    bf16) PRECISION_FLAGS=(--bf16); export TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 ;;
-    fp32) PRECISION_FLAGS=() ;;
-    *) die "PRECISION=$PRECISION: use bf16 or fp32" ;;
-esac
+tempnet_precision_flags
 
 FLAGS=(
     --model "${MODEL:-gpt2-125m}" "${PRECISION_FLAGS[@]}"

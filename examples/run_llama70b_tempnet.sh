@@ -32,7 +32,7 @@
 #   RUN_DIR         [runs/llama70b_tempnet] checkpoints/ (TempNet, optimizer, data position),
 #                   tensorboard/, metrics.jsonl
 #   MODEL           [llama2-70b] a --model preset (tiny for a CPU test)
-#   TP [4]  PP [1]  TRAIN_ITERS [20000]  GLOBAL_BATCH [16]  MICRO_BATCH [1]
+#   TP [4]  PP [1]  TRAIN_ITERS [20000]  GLOBAL_BATCH [16]  MICRO_BATCH [1]  RHO [10]
 #   SEQ_LENGTH      [the preset's: 4096]
 #   EXTRA_ARGS      more pretrain_gpt.py flags (word-split)
 #
@@ -62,7 +62,7 @@ FLAGS=(
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "${TOKENIZER_MODEL:-$LM_CHECKPOINT/tokenizer}"
     --data-path "${DATA_PATH:-data/owt2_llama2_text_document}" --split "${SPLIT:-949,50,1}"
     --pretrained-checkpoint "$LM_CHECKPOINT" --freeze-lm
-    --loss dro --tau-source tempnet --tempnet-rho 10
+    --loss dro --tau-source tempnet --tempnet-rho "${RHO:-10}"
     --tempnet-tau-min 0.001 --tempnet-tau-max 2.0
     --tempnet-hidden-size 256 --tempnet-proj-size 256
     --train-iters "${TRAIN_ITERS:-20000}" --global-batch-size "${GLOBAL_BATCH:-16}"

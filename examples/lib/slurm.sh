@@ -84,3 +84,13 @@ tempnet_run_flags() {
         --log-interval "${LOG_INTERVAL:-10}"
     )
 }
+
+# tempnet_precision_flags: PRECISION_FLAGS from PRECISION [bf16]: bf16 (the LM in bf16 with float32
+# masters; TempNet's float32 products on the tensor cores in TF32) or fp32
+tempnet_precision_flags() {
+    case ${PRECISION:-bf16} in
+        bf16) PRECISION_FLAGS=(--bf16); export TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 ;;
+        fp32) PRECISION_FLAGS=() ;;
+        *) die "PRECISION=$PRECISION: use bf16 or fp32" ;;
+    esac
+}
