@@ -419,8 +419,8 @@ def finetune_verdicts(results: dict, runs: list[str]) -> None:
         scored = (("at tau = 1", r["ppl"]), ("with its TempNet's tau", r["tempnet_tllm_ppl"]))
         for what, ppl in scored:
             change = (ppl / base - 1) * 100
-            print(f"      {FINETUNE_RUNS[name][0]} {what}: {ppl:.2f} vs CE's {base:.2f} "
-                  f"({change:+.1f} %): {'lower' if ppl < base else 'NOT lower'}")  # fmt: skip
+            print(f"      {FINETUNE_RUNS[name][0]} {what}: {ppl:.3f} vs CE's {base:.3f} "
+                  f"({change:+.2f} %): {'lower' if ppl < base else 'NOT lower'}")  # fmt: skip
 
 
 def diagram(out, show, panels: list[str], python, env, sources=None) -> None:

@@ -454,5 +454,5 @@ def test_the_real_lm_example_runs_on_a_small_file(converted, tmp_path):
     for name, label in (("ce", "CE (the baseline)"), ("dro", "DRO TempNet (setting ii)")):
         row = re.search(rf"{re.escape(label)} +\| +([\d.]+) \|", r.stdout)
         assert row and float(row[1]) == round(runs[name]["ppl"], 2), r.stdout
-    verdict = f"DRO TempNet (setting ii) at tau = 1: {runs['dro']['ppl']:.2f} vs CE's"
+    verdict = f"DRO TempNet (setting ii) at tau = 1: {runs['dro']['ppl']:.3f} vs CE's"
     assert verdict in r.stdout and (tmp_path / "ft" / "reliability.png").exists()
