@@ -93,37 +93,6 @@ def merge(parts: list[TokenScores]) -> TokenScores:
 
 
 @torch.no_grad()
-def score_tokens(
-    model: InferenceModel,
-    tokens: list[int],
-    *,
-    window: int,
-    fixed_tau: float | None = None,
-    newton: NewtonTau | None = None,
-    fused_output_stage: bool = True,
-    chunk_size: int | None = None,
-    micro_batch_size: int = 8,
-) -> TokenScores:
-    """CE and T-LLM CE of every token after the first, in windows of ``window`` predictions
-    (``windows``), ``micro_batch_size`` windows per forward pass.
-
-    With ``fused_output_stage`` (default) the values come from the final hidden states chunk by
-    chunk (``losses.output_stage``, ``chunk_size`` tokens at a time); otherwise from the whole
-    logits of a window.
-    """
-    parts = score_sequences(
-        model,
-        windows(tokens, window),
-        fixed_tau=fixed_tau,
-        newton=newton,
-        fused_output_stage=fused_output_stage,
-        chunk_size=chunk_size,
-        micro_batch_size=micro_batch_size,
-    )
-    return merge(parts)
-
-
-@torch.no_grad()
 def score_sequences(
     model: InferenceModel,
     sequences: list[list[int]],

@@ -27,16 +27,6 @@ def layer_matmul_params(model: ModelConfig) -> int:
     return h * (heads + 2 * groups) * head_dim + heads * head_dim * h + h * up + ffn * h
 
 
-def matmul_params(
-    model: ModelConfig, tempnet: tuple[int, int] | None, tensor_parallel: int = 1
-) -> int:
-    """The weights in matrix products per token on one model replica: every layer's, the output
-    layer's (padded vocabulary at ``tensor_parallel``) and TempNet's ``W1`` and ``W2``
-    (``tempnet``: (d1, d2); None without TempNet)."""
-    total = model.num_layers * layer_matmul_params(model) + _output_params(model, tensor_parallel)
-    return total + _tempnet_params(model, tempnet)
-
-
 def flops_per_token(
     model: ModelConfig,
     tempnet: tuple[int, int] | None,
