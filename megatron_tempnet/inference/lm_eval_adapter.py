@@ -18,7 +18,9 @@ number). Rank 0 runs lm-eval; the other ranks build their shard and follow rank 
 Model arguments: ``load`` (checkpoint, any saved layout), ``tempnet`` (an exported TempNet),
 ``fixed_tau`` (instead of TempNet), ``tau_max_eval``, ``pretrained_checkpoint``, the tokenizer
 flags ``tokenizer_type``, ``tokenizer_model``, ``vocab_file``, ``merge_file`` (default: the
-checkpoint's), ``max_length`` (default: the model's positions), ``bf16``, ``attention_backend``.
+checkpoint's), ``max_length`` (default: the model's positions), ``bf16``, ``attention_backend``;
+any other is refused by name (lm-eval's own ``max_batch_size`` and ``device`` are accepted and
+not used).
 lm-eval's ``--batch_size`` is the number of requests per forward pass (``auto``: 16); its
 progress bars follow lm-eval's settings.
 
@@ -32,6 +34,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
+from dataclasses import dataclass
 
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -42,10 +46,26 @@ from megatron_tempnet.inference.evaluation import merge, windows
 from megatron_tempnet.inference.model import InferenceError, init_inference
 from megatron_tempnet.inference.service import Service, share, world
 from megatron_tempnet.inference.token_sampling import SamplingConfig
+from megatron_tempnet.utils.cli import run_tool
 
 AUTO_BATCH_SIZE = 16
 _log = logging.getLogger(__name__)
-_state: dict = {}  # rank 0: whether the followers received the model arguments, the service
+LM_EVAL_ARGUMENTS = {"max_batch_size", "device"}
+"""What lm-eval adds to every model's arguments: accepted, not used (the model runs on this
+process's own device, ``batch_size`` requests at a time)."""
+
+
+@dataclass
+class _Rank0:
+    """What rank 0's model tells ``main`` when lm-eval is done (lm-eval builds the model, so this
+    cannot be passed to it): whether the other ranks received its arguments, and the service
+    they follow."""
+
+    shared: bool = False
+    service: Service | None = None
+
+
+_RANK0 = _Rank0()
 
 
 @register_model("megatron_tempnet")
@@ -67,9 +87,17 @@ class MegatronTempNetLM(TemplateLM):
         bf16: bool = False,
         attention_backend: str = "auto",
         batch_size: int | str | None = None,
-        **_ignored,
+        **others,
     ):
         super().__init__()
+        unknown = sorted(set(others) - LM_EVAL_ARGUMENTS)
+        if unknown:
+            raise InferenceError(
+                f"--model_args: unknown argument(s) {', '.join(unknown)} for megatron_tempnet "
+                "(its arguments: load, tempnet, fixed_tau, tau_max_eval, pretrained_checkpoint, "
+                "tokenizer_type, tokenizer_model, vocab_file, merge_file, max_length, bf16, "
+                "attention_backend)"
+            )
         args = argparse.Namespace(
             load=str(load),
             pretrained_checkpoint=pretrained_checkpoint,
@@ -89,9 +117,9 @@ class MegatronTempNetLM(TemplateLM):
         self.batch_size = _batch_size(batch_size)
         if world()[1] > 1:
             share(args)  # the followers build their shards with the same arguments
-            _state["shared"] = True
+            _RANK0.shared = True
         self.model, self.tokenizer = load_from_args(args)
-        self.service = _state["service"] = Service(self.model)
+        self.service = _RANK0.service = Service(self.model)
         self.fixed_tau = args.fixed_tau
         self.max_length = int(max_length or self.model.model.max_position_embeddings)
 
@@ -198,7 +226,7 @@ def _batch_size(value) -> int:
     return size
 
 
-def main() -> None:
+def main() -> int:
     from lm_eval.__main__ import cli_evaluate
 
     size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -209,15 +237,16 @@ def main() -> None:
             if args is not None:
                 model, _ = load_from_args(args)
                 Service(model).follow()
-            return
+            return 0
     try:
         cli_evaluate()
     finally:
-        if size > 1 and not _state.get("shared"):
+        if size > 1 and not _RANK0.shared:
             share(None)
-        elif "service" in _state:
-            _state["service"].stop()
+        elif _RANK0.service is not None:
+            _RANK0.service.stop()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool(main))

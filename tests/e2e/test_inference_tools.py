@@ -718,6 +718,13 @@ def test_lm_eval_adapter_scores_local_tasks_the_same_at_tp1_and_tp2(setup, tmp_p
             row = rows[sample["doc"]["id"] * 3 + c]
             want = sum(row["tllm_logprob"][context_len - 1 :])
             assert float(logprob) == pytest.approx(want, abs=1e-5), (item, c)
+    # a misspelt model argument stops the run by name (it was dropped silently)
+    cmd = [sys.executable, "-m", "megatron_tempnet.inference.lm_eval_adapter", "run", "--model",
+           "megatron_tempnet", "--model_args", f"load={setup['run']},fixd_tau=0.7", "--tasks",
+           "tiny_mc", "--include_path", str(tmp_path)]  # fmt: skip
+    r = run_command(cmd, env=dict(ENV, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1"), timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "--model_args: unknown argument(s) fixd_tau for megatron_tempnet" in r.stderr
 
 
 def _http(port: int, method: str, path: str = "/api", body=None, raw: bytes | None = None):
