@@ -77,7 +77,7 @@ class Built:
 
 
 def _checkpointer(engine, model: Built, directory: str, async_save: bool = False):
-    from megatron_tempnet.trainer.checkpointer import Checkpointer
+    from megatron_tempnet.checkpoint.checkpointer import Checkpointer
 
     ckpt = model.config.checkpoint
     ckpt.save, ckpt.load, ckpt.async_save = directory, directory, async_save
@@ -89,8 +89,8 @@ def save(
 ) -> dict:
     """Save the training state under ``directory`` (collective); returns {part: (s, wchar)}.
     ``async_save``: the part that blocks training and the background write are timed apart."""
-    from megatron_tempnet.trainer import checkpoint_writer
-    from megatron_tempnet.trainer.checkpointer import Checkpointer
+    from megatron_tempnet.checkpoint import checkpoint_writer
+    from megatron_tempnet.checkpoint.checkpointer import Checkpointer
 
     checkpointer = checkpointer or _checkpointer(engine, model, directory, async_save)
     client = {"data": None, "config": json.loads(model.config.to_json())}
@@ -110,12 +110,12 @@ def save(
 def load(engine, model: Built, directory: str) -> tuple[int, dict]:
     """Load the newest checkpoint under ``directory`` (collective); returns (iteration, parts),
     with the bytes this rank read, checked and holds in ``parts["bytes"]``."""
-    from megatron_tempnet.trainer import checkpointer as module
+    from megatron_tempnet.checkpoint import loader
 
     checkpointer = _checkpointer(engine, model, directory)
     parts = [
-        (module.Checkpointer, "_checked_plan", "plan + sizes + digests of what it reads"),
-        (module, "_read", "read its boxes"),
+        (loader.CheckpointLoader, "_checked_plan", "plan + sizes + digests of what it reads"),
+        (loader, "_read", "read its boxes"),
     ]
     with timed_parts(parts) as record:
         client = checkpointer.resume()

@@ -106,9 +106,9 @@ def _config(args):
 def _engine(args):
     """pretrain_gpt.py's setup on one process: (config, engine, the iteration's step)."""
     warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (is|are) not")
+    from megatron_tempnet.checkpoint.checkpointer import Checkpointer
     from megatron_tempnet.distributed.launch import launch_environment
     from megatron_tempnet.models.gpt.task import GPTTask
-    from megatron_tempnet.trainer.checkpointer import Checkpointer
     from megatron_tempnet.trainer.engine import build_engine, init_process_groups
     from megatron_tempnet.trainer.task import TaskData
 

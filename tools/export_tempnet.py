@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError
 from megatron_tempnet.inference.checkpoint_io import CheckpointReader, export_reader_tempnet
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 from megatron_tempnet.utils.cli import run_tool
 
 

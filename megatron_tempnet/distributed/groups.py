@@ -52,6 +52,11 @@ class TPGroup:
         return out
 
 
+def compute_device() -> torch.device:
+    """Where batches and reduced statistics live (NCCL reduces CUDA tensors only)."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
 def resolve_tp_group(tp_group: dist.ProcessGroup | None = None) -> TPGroup:
     """The group to reduce over, with this process's rank in it; ``None``: no tensor
     parallelism (one rank, no communication). Callers pass their group explicitly, e.g.

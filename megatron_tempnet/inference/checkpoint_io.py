@@ -1,7 +1,7 @@
 """Reading and writing this project's checkpoints without building the model or a process group.
 
 A checkpoint directory ``DIR`` has ``DIR/latest`` naming ``DIR/iter_XXXXXXX/``
-(``trainer.checkpoint_format``): layout-free global tensors (``weight/{name}``, and for a
+(``checkpoint.checkpoint_format``): layout-free global tensors (``weight/{name}``, and for a
 training checkpoint ``master/…`` and the AdamW moments) in ``shards/``, and the run's config in
 ``train_state.json``. ``CheckpointReader`` gives the full tensors under ``GPTStack``'s names
 one at a time, whatever layout saved them (a training run's float32 master where one was
@@ -18,9 +18,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from megatron_tempnet.models.gpt.config import ModelConfig
-from megatron_tempnet.models.gpt.state_names import WORD_EMBEDDINGS, lm_names
-from megatron_tempnet.trainer.checkpoint_format import (
+from megatron_tempnet.checkpoint.checkpoint_format import (
+    FORMAT,
     FROZEN_LM_EXCLUDED,
     TRAIN_STATE,
     WEIGHTS_ONLY,
@@ -32,12 +31,13 @@ from megatron_tempnet.trainer.checkpoint_format import (
     read_train_state,
     tag_for,
 )
-from megatron_tempnet.trainer.shard_reading import load_full, saved_tensors
-from megatron_tempnet.trainer.shard_storage import write_full_tensors
+from megatron_tempnet.checkpoint.shard_reading import load_full, saved_tensors
+from megatron_tempnet.checkpoint.shard_storage import write_full_tensors
+from megatron_tempnet.models.gpt.config import ModelConfig
+from megatron_tempnet.models.gpt.state_names import WORD_EMBEDDINGS, lm_names
 from megatron_tempnet.utils.progress import progress
 
 TEMPNET_PREFIX = "tempnet."
-FORMAT = 2
 
 
 class CheckpointReader:

@@ -45,8 +45,8 @@ import os
 import numpy as np
 import torch
 
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError
 from megatron_tempnet.inference.hf_weights import model_config_from_hf
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 
 _INSTALL = "pip install -e '.[gguf]'"
 _REQUIRED = object()

@@ -39,10 +39,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError
+from megatron_tempnet.checkpoint.file_io import load_file
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.gpt.layers import PieceIndex, piece_key
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError
-from megatron_tempnet.trainer.file_io import load_file
 
 _FILES = (
     "model.safetensors.index.json",

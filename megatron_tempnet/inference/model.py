@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError
 from megatron_tempnet.distributed.groups import resolve_tp_group
 from megatron_tempnet.distributed.sharding import shard
 from megatron_tempnet.inference.checkpoint_io import CheckpointReader, lm_names, open_reader
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.tempnet import TempNetLM
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 from megatron_tempnet.utils.cli import UserError
 
 

@@ -92,7 +92,7 @@ def checkpoint_bytes_per_param(precision: str) -> int:
 
 def checkpoint_share_bytes(saved_params: int, layout) -> int:
     """One rank's share of a checkpoint, in bytes: what a save writes and what --async-save
-    copies to host memory (``trainer.host_buffers``). Each value of a saved parameter is
+    copies to host memory (``checkpoint.host_buffers``). Each value of a saved parameter is
     written by one data-parallel rank (ZeRO 1-2 by its fragment's owner, ZeRO 0 and 3 by an
     even split), so a rank holds ``bytes_per_param x saved_params / DP``. ``saved_params``:
     the trained parameters of the rank's TP shard of its stage."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_tempnet.trainer.checkpoint_format import DIGESTS
+from megatron_tempnet.checkpoint.checkpoint_format import DIGESTS, TEMPNET_DIST
 
 # the error every config check raises, importable from here as before
 from megatron_tempnet.trainer.errors import ConfigError as ConfigError
@@ -209,10 +209,6 @@ class TrainingConfig:
         """The training samples the run reads: --train-samples, or what its iterations take
         when more (a ramp's last iteration may pass --train-samples)."""
         return max(self.train_samples or 0, self.batch_schedule().consumed(self.iterations))
-
-
-TEMPNET_DIST = "tempnet_dist"
-"""This project's checkpoint format (``trainer.checkpointer``)."""
 
 
 @dataclass

@@ -14,15 +14,15 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_tempnet.checkpoint.checkpoint_format import CONFIG, CONFIG_YAML, CheckpointError
+from megatron_tempnet.checkpoint.checkpointer import Checkpointer
+from megatron_tempnet.checkpoint.run_lock import RunLock
 from megatron_tempnet.data.loader import DataState, ResumableLoader, dataset_fingerprint
 from megatron_tempnet.distributed.launch import launch_environment
-from megatron_tempnet.trainer.checkpoint_format import CONFIG, CONFIG_YAML, CheckpointError
-from megatron_tempnet.trainer.checkpointer import Checkpointer
 from megatron_tempnet.trainer.config import RunConfig
 from megatron_tempnet.trainer.engine import build_engine, init_process_groups
 from megatron_tempnet.trainer.preemption import EXIT_REQUEUE, StopRequests
 from megatron_tempnet.trainer.profiling import RunHooks
-from megatron_tempnet.trainer.run_lock import RunLock
 from megatron_tempnet.trainer.run_logger import RunLogger, memory_mb
 from megatron_tempnet.trainer.schedule import LRSchedule, TrainSchedule, resumed_settings
 from megatron_tempnet.trainer.stats import read_step

@@ -18,17 +18,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_tempnet import compat
+from megatron_tempnet.distributed.groups import compute_device as compute_device
 from megatron_tempnet.trainer.config import RunConfig
 from megatron_tempnet.utils.cli import UserError
 
 
 class TrainingError(UserError, RuntimeError):
     """The run cannot continue (a NaN/inf loss or gradient): names the iteration and rank."""
-
-
-def compute_device() -> torch.device:
-    """Where batches and reduced statistics live (NCCL reduces CUDA tensors only)."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def deepspeed_clips_grad_norm(config: RunConfig) -> bool:

@@ -87,7 +87,7 @@ class TrainModel:
     --pretrained-checkpoint (TempNet on a frozen LM: the checkpoint holds TempNet only)."""
     tensor_layout: TensorLayout | None = None
     """How the split tensors are cut (``distributed.sharding``): the checkpoints' global
-    tensors (``trainer.sharded_state``) need it."""
+    tensors (``checkpoint.sharded_state``) need it."""
     engine_config: dict = field(default_factory=dict)
     """DeepSpeed config entries the model needs, over the run's (``{"pipeline": {...}}``)."""
     foreign_checkpoint: Callable[[str, str], ForeignCheckpoint | None] | None = None

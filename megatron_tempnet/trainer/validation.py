@@ -8,7 +8,7 @@ import importlib.util
 import math
 import os
 
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError, latest_tag
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError, latest_tag
 from megatron_tempnet.trainer.config import (
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,

@@ -120,8 +120,8 @@ def test_a_missing_causal_mask_helper_fails_loudly(monkeypatch):
 def _rng_streams_across_runtimes() -> dict:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+    from megatron_tempnet.checkpoint.rng_state import rng_state, set_rng_state
     from megatron_tempnet.models.transformer import seed_rngs
-    from megatron_tempnet.trainer.rng_state import rng_state, set_rng_state
 
     compat.apply_cpu_support()
     from megatron.core import parallel_state

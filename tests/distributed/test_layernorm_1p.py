@@ -133,9 +133,9 @@ def test_a_checkpoint_loads_only_with_its_own_norm_weights(tmp_path):
     """1p norm weights are offsets from 1, the others scales: the same tensors, so --load and
     --pretrained-checkpoint refuse a checkpoint saved the other way (older checkpoints, which
     do not record the flag, load)."""
+    from megatron_tempnet.checkpoint.checkpoint_format import publish_latest
+    from megatron_tempnet.checkpoint.checkpoint_writer import TRAIN_STATE
     from megatron_tempnet.models.gpt.task import validate_gpt
-    from megatron_tempnet.trainer.checkpoint_format import publish_latest
-    from megatron_tempnet.trainer.checkpoint_writer import TRAIN_STATE
     from megatron_tempnet.trainer.config import ConfigError
 
     for saved, name in ((True, "one-p"), (False, "plain"), (None, "older")):

@@ -142,9 +142,9 @@ def test_micro_batch_gradients_add_up_in_float32_under_bf16(reduce_in_bf16):
 
 
 def _load_flags(save_dir: str, empty_dir: str) -> dict:
+    from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError
+    from megatron_tempnet.checkpoint.checkpointer import Checkpointer
     from megatron_tempnet.distributed.sharding import TensorLayout
-    from megatron_tempnet.trainer.checkpoint_format import CheckpointError
-    from megatron_tempnet.trainer.checkpointer import Checkpointer
     from megatron_tempnet.trainer.engine import build_engine, decay_groups, init_process_groups
     from megatron_tempnet.trainer.task import TrainModel
 
@@ -204,8 +204,8 @@ def _slow_peer() -> str | None:
     an error that names --checkpoint-timeout-minutes."""
     import time
 
-    from megatron_tempnet.trainer.checkpoint_format import CheckpointError
-    from megatron_tempnet.trainer.checkpointer import timeout_named
+    from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError
+    from megatron_tempnet.checkpoint.checkpointer import timeout_named
 
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=1))
     dist.barrier(group=group)

@@ -227,8 +227,8 @@ def _generation_logits(engine, config, model, save_dir: str) -> tuple:
     import dataclasses
     import json
 
+    from megatron_tempnet.checkpoint.checkpointer import Checkpointer
     from megatron_tempnet.inference.model import load_inference_model
-    from megatron_tempnet.trainer.checkpointer import Checkpointer
 
     saving = dataclasses.replace(config.checkpoint, save=save_dir)
     client = {"config": json.loads(config.to_json()), "data": {}}

@@ -289,7 +289,7 @@ def test_saved_tokenizer_gives_transformers_ids(converted):
 
 
 def _refused(tmp_path, *args) -> str:
-    from megatron_tempnet.trainer.checkpoint_format import CheckpointError
+    from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError
 
     with pytest.raises(CheckpointError) as error:
         tool().main([*args, "--save", str(tmp_path / "out")])

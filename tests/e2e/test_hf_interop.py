@@ -552,8 +552,8 @@ REFUSED = [
 
 @pytest.mark.parametrize("family,changes,message", REFUSED)
 def test_settings_the_model_does_not_compute_are_refused(family, changes, message):
+    from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError
     from megatron_tempnet.inference.hf_weights import model_config_from_hf
-    from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 
     config = _spellings()[1] if family == "llama" else dict(HUB_CONFIGS["mistral-7b"])
     config.update(changes)

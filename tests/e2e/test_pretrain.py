@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from megatron_tempnet.trainer.shard_reading import read_metadata
+from megatron_tempnet.checkpoint.shard_reading import read_metadata
 from tests.helpers import device_rules
 from tests.helpers.checkpoints import (
     checkpoint_path,

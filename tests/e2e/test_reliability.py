@@ -16,14 +16,14 @@ import time
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron_tempnet.trainer.checkpoint_format import (
+from megatron_tempnet.checkpoint.checkpoint_format import (
     COMPLETE,
     check_checkpoint,
     file_digest,
     latest_tag,
     write_complete,
 )
-from megatron_tempnet.trainer.run_lock import LOCK, Owner
+from megatron_tempnet.checkpoint.run_lock import LOCK, Owner
 from tests.helpers import faults
 from tests.helpers.checkpoints import global_tensors
 from tests.helpers.corpus import data_flags

@@ -234,7 +234,7 @@ def copy_checkpoint(save_dir: Path, iteration: int, to: Path) -> Path:
     ``latest``), as a run that had stopped there would have left it. The checkpoint's files are
     hard links (loading only reads them, a run saves into a new directory); the config files,
     which a run rewrites, are copies."""
-    from megatron_tempnet.trainer.checkpoint_format import (
+    from megatron_tempnet.checkpoint.checkpoint_format import (
         CONFIG,
         CONFIG_YAML,
         publish_latest,

@@ -223,8 +223,8 @@ def _record_resume_row(name: str, path) -> None:
 
 
 def test_a_resumed_run_continues_the_uninterrupted_one_exactly(corpus, work):
-    from megatron_tempnet.trainer.checkpoint_format import tag_for
-    from megatron_tempnet.trainer.shard_reading import load_full, saved_tensors
+    from megatron_tempnet.checkpoint.checkpoint_format import tag_for
+    from megatron_tempnet.checkpoint.shard_reading import load_full, saved_tensors
     from tests.helpers.checkpoints import checkpoint_path
 
     s = sizes()

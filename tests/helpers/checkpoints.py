@@ -9,10 +9,10 @@ import os
 
 import torch
 
-from megatron_tempnet.trainer.checkpoint_format import TRAIN_STATE
-from megatron_tempnet.trainer.checkpoint_writer import rank_file
-from megatron_tempnet.trainer.file_io import load_file
-from megatron_tempnet.trainer.shard_reading import load_full, saved_tensors
+from megatron_tempnet.checkpoint.checkpoint_format import TRAIN_STATE
+from megatron_tempnet.checkpoint.checkpoint_writer import rank_file
+from megatron_tempnet.checkpoint.file_io import load_file
+from megatron_tempnet.checkpoint.shard_reading import load_full, saved_tensors
 
 
 def checkpoint_path(save_dir, tag: str | None = None) -> str:

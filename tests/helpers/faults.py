@@ -42,7 +42,7 @@ def _die() -> None:
 def _arm_at_save(save_number: int) -> dict:
     """``{"armed": bool}``, set while this process writes its ``save_number``-th checkpoint
     (in the training thread, or in the background with --async-save)."""
-    from megatron_tempnet.trainer import checkpoint_writer
+    from megatron_tempnet.checkpoint import checkpoint_writer
 
     state, original = {"armed": False, "saves": 0}, checkpoint_writer.write
 
@@ -64,7 +64,7 @@ def kill_in_save(point: str, rank: int, save_number: int) -> None:
         return
     state = _arm_at_save(save_number)
     if point in _FILES:
-        from megatron_tempnet.trainer.file_io import FileWriter
+        from megatron_tempnet.checkpoint.file_io import FileWriter
 
         original = FileWriter._write
 
@@ -76,7 +76,7 @@ def kill_in_save(point: str, rank: int, save_number: int) -> None:
 
         FileWriter._write = write
     elif point == "between_ranks":
-        from megatron_tempnet.trainer import checkpoint_writer
+        from megatron_tempnet.checkpoint import checkpoint_writer
 
         publish = checkpoint_writer._publish
 
@@ -97,7 +97,7 @@ def kill_in_save(point: str, rank: int, save_number: int) -> None:
 
         os.replace = die_before_rename
     elif point == "prune":
-        from megatron_tempnet.trainer import checkpoint_writer
+        from megatron_tempnet.checkpoint import checkpoint_writer
 
         rmtree = checkpoint_writer.shutil.rmtree
 
@@ -117,7 +117,7 @@ def full_disk(pattern: str, rank: int, save_number: int) -> None:
     if _rank() != rank:
         return
     state = _arm_at_save(save_number)
-    from megatron_tempnet.trainer import file_io
+    from megatron_tempnet.checkpoint import file_io
 
     def open_full(path, mode="r", *args, **kwargs):
         if state["armed"] and "w" in mode and fnmatch.fnmatch(str(path), pattern):

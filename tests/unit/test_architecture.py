@@ -5,6 +5,7 @@ to a design document outside the repository."""
 from __future__ import annotations
 
 import ast
+import glob
 import os
 import re
 import sys
@@ -26,16 +27,26 @@ ALLOWED = {
     "data": {"utils"},
     "losses": {"distributed", "utils"},
     "tempnet": {"distributed", "utils"},
-    "trainer": {"compat", "data", "distributed", "utils"},
-    "models": {"compat", "data", "distributed", "losses", "tempnet", "trainer", "utils"},
-    "inference": {
+    "checkpoint": {"compat", "distributed", "utils"},
+    "trainer": {"checkpoint", "compat", "data", "distributed", "utils"},
+    "models": {
+        "checkpoint",
+        "compat",
+        "data",
+        "distributed",
+        "losses",
+        "tempnet",
+        "trainer",
+        "utils",
+    },
+    "inference": {  # checkpoints and models, never the trainer
+        "checkpoint",
         "compat",
         "data",
         "distributed",
         "losses",
         "models",
         "tempnet",
-        "trainer",
         "utils",
     },
 }
@@ -354,3 +365,18 @@ def test_the_design_documents_package_tree_names_every_module():
     assert "megatron_tempnet/trainer/loop.py" in named and len(named) > 100
     assert sorted(modules - named) == []
     assert sorted(n for n in named if not os.path.exists(os.path.join(REPO, n))) == []
+
+
+def test_the_checkpoint_tools_and_readers_do_not_import_the_trainer():
+    """Reading and converting checkpoints needs the checkpoint package, not the trainer: the
+    checkpoint tools, the TempNet export and the checkpoint-args reader import none of it."""
+    paths = glob.glob(os.path.join(REPO, "tools", "checkpoint", "*.py"))
+    paths += [os.path.join(REPO, "tools", "export_tempnet.py")]
+    paths += [os.path.join(PACKAGE, "models", "gpt", "checkpoint_args.py")]
+    assert len(paths) >= 6
+    for path in paths:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert not [m for m in imported if m.startswith("megatron_tempnet.trainer")], path

@@ -10,9 +10,9 @@ import os
 
 import pytest
 
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError
 from megatron_tempnet.models.gpt.checkpoint_args import model_args_from_checkpoint
 from megatron_tempnet.models.gpt.config import ModelConfig
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 from megatron_tempnet.utils.flags import flag_name
 
 SAVED = ModelConfig.from_preset(

@@ -16,8 +16,8 @@ import pytest
 import torch
 import xxhash
 
-from megatron_tempnet.trainer import checkpoint_format
-from megatron_tempnet.trainer.checkpoint_format import (
+from megatron_tempnet.checkpoint import checkpoint_format
+from megatron_tempnet.checkpoint.checkpoint_format import (
     COMPLETE,
     LATEST,
     CheckpointError,
@@ -27,8 +27,8 @@ from megatron_tempnet.trainer.checkpoint_format import (
     mark_complete,
     publish_latest,
 )
-from megatron_tempnet.trainer.file_io import FileWriter, load_file
-from megatron_tempnet.trainer.run_lock import LOCK, Owner, RunLock
+from megatron_tempnet.checkpoint.file_io import FileWriter, load_file
+from megatron_tempnet.checkpoint.run_lock import LOCK, Owner, RunLock
 from tests.helpers.faults import PlantedPickle
 
 
@@ -136,7 +136,7 @@ def test_a_verified_file_is_not_read_again_until_it_changes(tmp_path, monkeypatc
     ],
 )
 def test_a_failed_write_names_the_file_and_its_cause(tmp_path, monkeypatch, code, shown):
-    from megatron_tempnet.trainer import file_io
+    from megatron_tempnet.checkpoint import file_io
 
     path = str(tmp_path / "x.pt")
 

@@ -1,4 +1,4 @@
-"""--async-save's host copies (``trainer.host_buffers``): one buffer holding every box, aligned
+"""--async-save's host copies (``checkpoint.host_buffers``): one buffer holding every box, aligned
 and apart, about its boxes' size where one pinned tensor per box (PyTorch's caching host
 allocator, power-of-two blocks) held 1.18x for the 70B recipe's boxes; pinning through
 ``cudaHostRegister`` (mocked here) and its fallback; the planner's --async-save host line."""
@@ -16,17 +16,17 @@ import sys
 import pytest
 import torch
 
-from megatron_tempnet.tempnet.config import TempNetConfig
-from megatron_tempnet.trainer import host_buffers
-from megatron_tempnet.trainer.checkpoint_writer import snapshot
-from megatron_tempnet.trainer.host_buffers import (
+from megatron_tempnet.checkpoint import host_buffers
+from megatron_tempnet.checkpoint.checkpoint_writer import snapshot
+from megatron_tempnet.checkpoint.host_buffers import (
     ALIGNMENT,
     HostArena,
     layout,
     power_of_two_bytes,
     spec_bytes,
 )
-from megatron_tempnet.trainer.shard_storage import Box
+from megatron_tempnet.checkpoint.shard_storage import Box
+from megatron_tempnet.tempnet.config import TempNetConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 F32, BF16 = torch.float32, torch.bfloat16

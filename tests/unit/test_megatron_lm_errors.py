@@ -13,9 +13,9 @@ import re
 import pytest
 import torch
 
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError
 from megatron_tempnet.models.gpt import ModelConfig
 from megatron_tempnet.models.gpt.megatron_lm import check_same_model, locate, model_fields
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 from tests.helpers.shapes import LLAMA_SHAPE
 
 SOURCE = "--load M"
@@ -91,7 +91,7 @@ def test_directories_that_are_not_readable_checkpoints(tmp_path):
 def test_a_legacy_file_that_would_run_code_runs_none(tmp_path):
     """Megatron-LM's files are pickles: their args load, anything that would call code becomes
     an inert placeholder."""
-    from megatron_tempnet.trainer.file_io import Opaque, load_foreign_file
+    from megatron_tempnet.checkpoint.file_io import Opaque, load_foreign_file
 
     class Planted:
         def __reduce__(self):
@@ -124,7 +124,7 @@ def test_megatron_deepspeeds_args_give_the_same_model():
 
 
 def test_a_megatron_deepspeed_save_directory_is_found_by_deepspeeds_latest(tmp_path):
-    from megatron_tempnet.trainer.checkpoint_format import latest_tag
+    from megatron_tempnet.checkpoint.checkpoint_format import latest_tag
 
     (tmp_path / "latest").write_text("global_step40")
     with pytest.raises(CheckpointError, match="names global_step40, which holds no mp_rank_XX"):

@@ -10,11 +10,11 @@ import types
 
 import pytest
 
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError
 from megatron_tempnet.models.gpt.arguments import build_parser, config_from_args
 from megatron_tempnet.models.gpt.config import PRESETS, ModelConfig
 from megatron_tempnet.models.gpt.flops import flops_per_token
 from megatron_tempnet.trainer import communication
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 from megatron_tempnet.trainer.config import ConfigError
 from megatron_tempnet.trainer.engine import deepspeed_config
 from megatron_tempnet.trainer.profiling import RunHooks, tflops_per_gpu

@@ -11,18 +11,18 @@ import pytest
 import torch
 import xxhash
 
-from megatron_tempnet.distributed.groups import vocab_partition
-from megatron_tempnet.distributed.sharding import TensorLayout, shard_tensor
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError, DigestCache
-from megatron_tempnet.trainer.shard_reading import (
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError, DigestCache
+from megatron_tempnet.checkpoint.shard_reading import (
     files_read,
     load_boxes,
     load_full,
     saved_tensors,
     verify_reads,
 )
-from megatron_tempnet.trainer.shard_storage import Box, save_boxes
-from megatron_tempnet.trainer.sharded_state import placement
+from megatron_tempnet.checkpoint.shard_storage import Box, save_boxes
+from megatron_tempnet.checkpoint.sharded_state import placement
+from megatron_tempnet.distributed.groups import vocab_partition
+from megatron_tempnet.distributed.sharding import TensorLayout, shard_tensor
 
 LAYOUT = TensorLayout(vocab_size=13, padded_vocab_size=16, swiglu=True)
 FULL_SHAPES = {

@@ -20,12 +20,12 @@ import sys
 
 import torch
 
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError, latest_tag
+from megatron_tempnet.checkpoint.file_io import load_file
 from megatron_tempnet.inference.checkpoint_io import write_model_flags, write_weights
 from megatron_tempnet.inference.hf_weights import HFWeights
 from megatron_tempnet.models.clip import pretrained
 from megatron_tempnet.models.clip.config import CLIPModelConfig
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError, latest_tag
-from megatron_tempnet.trainer.file_io import load_file
 from megatron_tempnet.utils.cli import run_tool
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

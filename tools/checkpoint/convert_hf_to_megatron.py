@@ -48,11 +48,11 @@ import sys
 
 import torch
 
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError, latest_tag
 from megatron_tempnet.inference.checkpoint_io import write_checkpoint, write_model_flags
 from megatron_tempnet.inference.gguf_weights import GGUFWeights
 from megatron_tempnet.inference.hf_weights import HFWeights, from_hf, model_config_from_hf
 from megatron_tempnet.models.gpt.config import model_flags
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError, latest_tag
 from megatron_tempnet.utils.cli import run_tool
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -24,9 +24,9 @@ import sys
 
 import torch
 
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError
 from megatron_tempnet.inference.checkpoint_io import open_reader
 from megatron_tempnet.inference.hf_weights import hf_config, to_hf
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 from megatron_tempnet.utils.cli import run_tool
 from megatron_tempnet.utils.progress import progress
 

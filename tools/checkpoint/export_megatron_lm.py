@@ -26,6 +26,7 @@ import sys
 
 import torch
 
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError
 from megatron_tempnet.inference.checkpoint_io import (
     export_reader_tempnet,
     lm_names,
@@ -33,7 +34,6 @@ from megatron_tempnet.inference.checkpoint_io import (
 )
 from megatron_tempnet.models.gpt.megatron_lm import TRACKER
 from megatron_tempnet.models.gpt.megatron_lm.export import megatron_args, write_torch_dist
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 from megatron_tempnet.utils.cli import run_tool
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -31,8 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from megatron_tempnet.distributed.sharding import merge_tensor, tensor_kind  # noqa: E402
-from megatron_tempnet.trainer.checkpoint_format import (  # noqa: E402
+from megatron_tempnet.checkpoint.checkpoint_format import (  # noqa: E402
     CONFIG,
     CONFIG_YAML,
     FROZEN_LM_EXCLUDED,
@@ -46,9 +45,10 @@ from megatron_tempnet.trainer.checkpoint_format import (  # noqa: E402
     mark_complete,
     publish_latest,
 )
-from megatron_tempnet.trainer.checkpointer import FORMAT  # noqa: E402
-from megatron_tempnet.trainer.file_io import load_file  # noqa: E402
-from megatron_tempnet.trainer.shard_storage import DIRECTORY, write_full_tensors  # noqa: E402
+from megatron_tempnet.checkpoint.checkpointer import FORMAT  # noqa: E402
+from megatron_tempnet.checkpoint.file_io import load_file  # noqa: E402
+from megatron_tempnet.checkpoint.shard_storage import DIRECTORY, write_full_tensors  # noqa: E402
+from megatron_tempnet.distributed.sharding import merge_tensor, tensor_kind  # noqa: E402
 from megatron_tempnet.utils.cli import run_tool  # noqa: E402
 
 _STAGE = re.compile(r"stage_tp(\d+)_pp(\d+)\.pt$")

@@ -22,13 +22,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from megatron_tempnet.models.gpt.config import SHAPE, STRUCTURE, ModelConfig
-from megatron_tempnet.trainer.checkpoint_format import (
+from megatron_tempnet.checkpoint.checkpoint_format import (
     CheckpointError,
     is_complete,
     latest_tag,
     read_train_state,
 )
+from megatron_tempnet.models.gpt.config import SHAPE, STRUCTURE, ModelConfig
 
 
 def saved_run_config(load_dir: str) -> tuple[str, dict] | None:

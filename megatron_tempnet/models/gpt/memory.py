@@ -47,7 +47,7 @@ layer when it is recomputed or frozen); the output buffers exist only after the 
 only the larger of the two counts.
 
 Host memory (not in the GPU total): with --async-save a rank copies its checkpoint share to host
-memory, one buffer of its size (``trainer.host_buffers``): ``14 B`` per saved parameter under
+memory, one buffer of its size (``checkpoint.host_buffers``): ``14 B`` per saved parameter under
 bf16/fp16 (weight 2, float32 master 4, two moments 8), ``12 B`` in float32 (weight 4, moments 8),
 over the data-parallel ranks (each value is written by one of them); a frozen-LM run saves what
 it trains only (``saved_params``).

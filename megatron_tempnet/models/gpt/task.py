@@ -19,6 +19,14 @@ from functools import partial
 import torch
 from megatron.core import parallel_state
 
+from megatron_tempnet.checkpoint.checkpoint_format import (
+    FROZEN_LM_EXCLUDED,
+    TRAIN_STATE,
+    CheckpointError,
+    has_marker,
+    latest_tag,
+    read_train_state,
+)
 from megatron_tempnet.data.gpt_data import (
     GPTDataConfig,
     build_gpt_datasets,
@@ -41,14 +49,6 @@ from megatron_tempnet.models.gpt.step import evaluate, train_step
 from megatron_tempnet.models.recompute import Recompute
 from megatron_tempnet.models.transformer import seed_rngs
 from megatron_tempnet.tempnet import TempNetLM
-from megatron_tempnet.trainer.checkpoint_format import (
-    FROZEN_LM_EXCLUDED,
-    TRAIN_STATE,
-    CheckpointError,
-    has_marker,
-    latest_tag,
-    read_train_state,
-)
 from megatron_tempnet.trainer.config import (
     ConfigError,
     OptimizerConfig,

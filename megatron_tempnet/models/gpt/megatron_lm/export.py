@@ -30,13 +30,13 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError
+from megatron_tempnet.checkpoint.file_io import FileWriter
 from megatron_tempnet.distributed.sharding import split_kind
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.gpt.layers import PieceIndex
 from megatron_tempnet.models.gpt.megatron_lm.rank_files import mcore_names
 from megatron_tempnet.models.gpt.megatron_lm.saved import TRACKER
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError
-from megatron_tempnet.trainer.file_io import FileWriter
 
 RELEASE = "release"
 _LINEARS = (
@@ -211,7 +211,7 @@ def write_torch_dist(
     torch_dist checkpoint in ``save_dir``; returns the checkpoint's directory."""
     import torch.distributed.checkpoint as dcp
 
-    from megatron_tempnet.trainer.shard_storage import single_process_quiet
+    from megatron_tempnet.checkpoint.shard_storage import single_process_quiet
 
     out = os.path.join(save_dir, RELEASE)
     os.makedirs(out, exist_ok=True)

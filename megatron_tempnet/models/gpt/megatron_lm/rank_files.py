@@ -23,14 +23,14 @@ import re
 
 import torch
 
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError
+from megatron_tempnet.checkpoint.file_io import load_foreign_file
 from megatron_tempnet.models.gpt.layers import PieceIndex
 from megatron_tempnet.models.gpt.megatron_lm.saved import (
     DS_LAYER_FILE,
     ds_rank_files,
     rank_files,
 )
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError
-from megatron_tempnet.trainer.file_io import load_foreign_file
 
 TE_NORMS = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError
 from megatron_tempnet.distributed.sharding import full_shape, merge, split_kind
 from megatron_tempnet.models.gpt.config import SHAPE, STRUCTURE, ModelConfig
 from megatron_tempnet.models.gpt.layers import PieceIndex
@@ -24,7 +25,6 @@ from megatron_tempnet.models.gpt.megatron_lm.saved import (
     vocabulary,
 )
 from megatron_tempnet.models.gpt.state_names import lm_names
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError
 
 _MODEL_ROOTS = ("embedding", "decoder", "output_layer")
 """The first name part of a ``GPTModel`` tensor (the optimizer's and others' are not)."""
@@ -152,8 +152,12 @@ class MegatronLMCheckpoint:
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from megatron_tempnet.trainer.shard_reading import BoxLoadPlanner
-        from megatron_tempnet.trainer.shard_storage import Box, first_failure, single_process_quiet
+        from megatron_tempnet.checkpoint.shard_reading import BoxLoadPlanner
+        from megatron_tempnet.checkpoint.shard_storage import (
+            Box,
+            first_failure,
+            single_process_quiet,
+        )
 
         saved = self._saved[key]
         size = tuple(saved.size)

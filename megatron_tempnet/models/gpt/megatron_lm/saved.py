@@ -9,8 +9,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError
-from megatron_tempnet.trainer.file_io import load_foreign_file
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError
+from megatron_tempnet.checkpoint.file_io import load_foreign_file
 
 TRACKER = "latest_checkpointed_iteration.txt"
 """Megatron-LM's file naming the newest checkpoint of a --save directory."""

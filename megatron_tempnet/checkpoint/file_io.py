@@ -5,7 +5,7 @@ never run code from a file.
 path) and flushes the file to disk. A writer that ``records`` failures keeps the first one and
 skips the writes after it instead of raising: a rank whose disk filled up still takes part in
 the save's collectives, and the ranks agree on the outcome at the end
-(``trainer.checkpoint_writer``).
+(``checkpoint.checkpoint_writer``).
 
 ``load_file`` is ``torch.load(weights_only=True)``: tensors, containers, numbers and strings,
 plus the few DeepSpeed value classes the earlier format's files hold
@@ -25,7 +25,7 @@ from typing import BinaryIO
 
 import torch
 
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError
 
 
 def describe_error(path: str, error: BaseException) -> str:

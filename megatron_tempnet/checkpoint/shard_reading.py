@@ -1,4 +1,4 @@
-"""Reading sharded tensor files (``trainer.shard_storage`` writes them): the index, the boxes a
+"""Reading sharded tensor files (``checkpoint.shard_storage`` writes them): the index, the boxes a
 rank wants filled from whichever saved boxes they overlap (through ``mmap``: only the bytes a
 box needs are read), and the digests of the saved boxes a load reads.
 """
@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError, new_digest
-from megatron_tempnet.trainer.shard_storage import (
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError, new_digest
+from megatron_tempnet.checkpoint.shard_storage import (
     FORMAT,
     METADATA,
     Box,

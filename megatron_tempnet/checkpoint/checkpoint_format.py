@@ -7,7 +7,7 @@
     SAVE/iter_0000100/               one checkpoint (``tag_for(100)``):
         shards/rank{r:05d}.bin           rank r's share of the weights, float32 masters and
                                          AdamW moments, as boxes of layout-free global tensors
-                                         (``trainer.shard_storage``, ``trainer.sharded_state``)
+                                         (``shard_storage``, ``sharded_state``)
         shards/metadata.json             every global tensor's dtype, shape and saved boxes
         train_state.json                 the iteration, data position, schedule, AdamW's step,
                                          the layout that saved and the run's config
@@ -40,6 +40,11 @@ import xxhash
 from megatron_tempnet.utils.cli import UserError
 from megatron_tempnet.utils.files import write_atomic
 from megatron_tempnet.utils.logging import log_rank0
+
+FORMAT = 2
+"""The version of this project's checkpoint layout (``train_state.json``'s ``format``)."""
+TEMPNET_DIST = "tempnet_dist"
+"""This project's checkpoint format (``--ckpt-format``; ``checkpoint.checkpointer``)."""
 
 LATEST = "latest"
 CONFIG = "config.json"

@@ -35,10 +35,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_tempnet import compat
-from megatron_tempnet.distributed.groups import vocab_partition
+from megatron_tempnet.checkpoint.shard_storage import Box
+from megatron_tempnet.distributed.groups import compute_device, vocab_partition
 from megatron_tempnet.distributed.sharding import TensorLayout, parameter_kind
-from megatron_tempnet.trainer.shard_storage import Box
-from megatron_tempnet.trainer.step import compute_device
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 WEIGHT, MASTER = "weight", "master"

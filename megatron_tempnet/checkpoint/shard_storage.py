@@ -2,7 +2,7 @@
 boxes of the global tensors, once, into its own file; any rank reads any box back, touching
 only the bytes it needs.
 
-A *global tensor* is a tensor of the layout-free model (``trainer.sharded_state`` names and
+A *global tensor* is a tensor of the layout-free model (``checkpoint.sharded_state`` names and
 shapes them: ``weight/lm.pieces.3.self_attention.linear_qkv.weight``, ``exp_avg/...``). A
 ``Box`` is a rectangular part of one (its ``offsets`` in the global tensor, its ``tensor`` of
 the box's sizes): a save passes each rank's boxes (together they tile every global tensor
@@ -19,7 +19,7 @@ On disk, in the checkpoint directory:
 DCP contributes the save protocol (each rank's plan to the coordinator, the metadata, failures
 raised on every rank) and the resharding arithmetic (``create_read_items_for_chunk_list``);
 the storage classes decide the bytes: no ``torch.save`` per tensor, no pickle, reads through
-``mmap`` of the bytes asked for only (``trainer.shard_reading``).
+``mmap`` of the bytes asked for only (``checkpoint.shard_reading``).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError, new_digest
-from megatron_tempnet.trainer.file_io import FileWriter
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError, new_digest
+from megatron_tempnet.checkpoint.file_io import FileWriter
 
 DIRECTORY = "shards"
 METADATA = f"{DIRECTORY}/metadata.json"
@@ -194,7 +194,7 @@ def _volume(sizes) -> int:
 
 class Writer(StorageWriter):
     """Writes each rank's boxes into ``shards/rank{r}.bin`` through ``writer`` (a
-    ``trainer.file_io.FileWriter``: flushed to disk, failures named), digesting the bytes as
+    ``checkpoint.file_io.FileWriter``: flushed to disk, failures named), digesting the bytes as
     they go; the coordinator writes ``shards/metadata.json``. ``files``: what this rank wrote,
     ``{relative path: (size, digest)}``."""
 

@@ -17,7 +17,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass
 
-from megatron_tempnet.trainer.checkpoint_format import CheckpointError
+from megatron_tempnet.checkpoint.checkpoint_format import CheckpointError
 from megatron_tempnet.utils.logging import log_rank0
 
 LOCK = "run.lock"

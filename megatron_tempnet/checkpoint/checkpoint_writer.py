@@ -1,7 +1,7 @@
 """Writing one checkpoint: every rank its own files, in parallel, then the publication.
 
 A ``SaveJob`` is everything a save writes, taken from the training state at one moment:
-this rank's boxes (``trainer.sharded_state``: views of the live tensors for a synchronous save,
+this rank's boxes (``checkpoint.sharded_state``: views of the live tensors for a synchronous save,
 host copies for an asynchronous one), its RNG and task state, and on rank 0 the training
 state (``train_state.json``) and markers. ``write`` runs it on every rank (collective over the
 checkpoint's own process group, so that a background thread can run it while training goes
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_tempnet.trainer.checkpoint_format import (
+from megatron_tempnet.checkpoint.checkpoint_format import (
     COMPLETE,
     TRAIN_STATE,
     CheckpointError,
@@ -41,9 +41,9 @@ from megatron_tempnet.trainer.checkpoint_format import (
     publish_latest,
     write_complete,
 )
-from megatron_tempnet.trainer.file_io import FileWriter, describe_error
-from megatron_tempnet.trainer.host_buffers import HostArena
-from megatron_tempnet.trainer.shard_storage import Box, save_boxes
+from megatron_tempnet.checkpoint.file_io import FileWriter, describe_error
+from megatron_tempnet.checkpoint.host_buffers import HostArena
+from megatron_tempnet.checkpoint.shard_storage import Box, save_boxes
 from megatron_tempnet.utils.logging import log_rank0
 
 

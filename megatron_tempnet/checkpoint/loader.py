@@ -1,13 +1,4 @@
-"""A run's checkpoints: ``save``, ``resume``, ``load_pretrained``, at any layout.
-
-Every rank writes its own share of the training state once (``trainer.sharded_state``: its
-ZeRO fragment of the float32 masters and AdamW's moments, the same range of its weights), in
-parallel, on ``torch.distributed.checkpoint`` (``trainer.shard_storage``), with its RNG and task
-state; rank 0 adds the iteration, data position, schedule, AdamW's step and config
-(``train_state.json``). ``checkpoint_writer`` writes and publishes; with --async-save the state
-is copied to host memory (one buffer of its size, pinned on CUDA: ``trainer.host_buffers``) and
-written by a background thread while training goes on, published only when every rank's write
-is done (``wait`` joins it: before the next save and before the run exits).
+"""Loading a run's checkpoints (``Checkpointer.resume``, ``load_pretrained``), at any layout.
 
 A load reads, on each rank, what that rank holds at the layout it runs, whatever layout saved:
 the boxes it wants are filled from the saved ones they overlap. It checks every file's size
@@ -20,32 +11,31 @@ over whole (``rank_states``) to be re-keyed.
 loads the model's weights and float32 masters only; the parameters under an ``optional``
 prefix may be missing and keep their initialisation. A run whose frozen parameters come from
 --pretrained-checkpoint saves what it trains only (``FROZEN_LM_EXCLUDED``) and reads the
-frozen ones from there on every resume.
+frozen ones from there on every resume. Another framework's checkpoint (the model's
+``foreign_checkpoint``) gives its weights.
+
+Names: ``load_dir`` is the directory a flag names (--load, --pretrained-checkpoint), holding
+checkpoints ``iter_NNNNNNN``; ``directory`` is one checkpoint's (``load_dir/tag``); ``source``
+is the flag and its value, as errors name them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import itertools
 import os
-import threading
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megatron_tempnet import compat
-from megatron_tempnet.distributed.groups import host_group, init_host_group
-from megatron_tempnet.trainer import checkpoint_writer
-from megatron_tempnet.trainer.checkpoint_format import (
+from megatron_tempnet.checkpoint.checkpoint_format import (
+    FORMAT,
     FROZEN_LM_EXCLUDED,
     TRAIN_STATE,
     WEIGHTS_ONLY,
     CheckpointError,
-    DigestCache,
     IncompatibleCheckpoint,
     check_checkpoint,
     choose_checkpoint,
@@ -54,14 +44,12 @@ from megatron_tempnet.trainer.checkpoint_format import (
     not_this_format,
     rank_state_files,
     read_train_state,
-    tag_for,
 )
-from megatron_tempnet.trainer.checkpoint_writer import SaveJob, rank_file
-from megatron_tempnet.trainer.config import TEMPNET_DIST
-from megatron_tempnet.trainer.file_io import load_file
-from megatron_tempnet.trainer.host_buffers import HostArena
-from megatron_tempnet.trainer.rng_state import rng_state, set_rng_state
-from megatron_tempnet.trainer.shard_reading import (
+from megatron_tempnet.checkpoint.checkpoint_writer import rank_file
+from megatron_tempnet.checkpoint.file_io import load_file
+from megatron_tempnet.checkpoint.ranks import current_layout, describe_layout, timeout_named
+from megatron_tempnet.checkpoint.rng_state import set_rng_state
+from megatron_tempnet.checkpoint.shard_reading import (
     SavedTensor,
     files_read,
     load_boxes,
@@ -69,24 +57,22 @@ from megatron_tempnet.trainer.shard_reading import (
     saved_tensors,
     verify_reads,
 )
-from megatron_tempnet.trainer.shard_storage import DIRECTORY
-from megatron_tempnet.trainer.sharded_state import (
+from megatron_tempnet.checkpoint.shard_storage import DIRECTORY
+from megatron_tempnet.checkpoint.sharded_state import (
     MASTER,
     WEIGHT,
     key,
-    optimizer_step,
     parameter_boxes,
     prepare_optimizer_states,
 )
 from megatron_tempnet.utils.logging import log_rank0
 
-FORMAT = 2
-OURS = TEMPNET_DIST
-_REQUIRED = ", and --exit-on-missing-checkpoint stops the run instead of starting from scratch"
-_FROZEN_NOTE = (
-    "This checkpoint holds the trained parameters only: the frozen ones are read again from the "
-    "run's --pretrained-checkpoint on every resume.\n"
-)
+
+def _required(require: bool) -> str:
+    """What an error about a missing checkpoint adds when --exit-on-missing-checkpoint asked."""
+    if not require:
+        return ""
+    return ", and --exit-on-missing-checkpoint stops the run instead of starting from scratch"
 
 
 class LoadMode(enum.Enum):
@@ -94,22 +80,6 @@ class LoadMode(enum.Enum):
     """Everything: weights, masters, optimizer, RNG, data position (--load)."""
     WEIGHTS = "weights"
     """The weights and masters only: the run starts at iteration 0 (--finetune, conversions)."""
-
-
-def current_layout(engine) -> dict[str, int]:
-    return {
-        "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
-        "pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size(),
-        "data_parallel": parallel_state.get_data_parallel_world_size(),
-        "zero_stage": engine.zero_optimization_stage(),
-    }
-
-
-def describe_layout(layout: dict[str, int]) -> str:
-    return (
-        f"TP {layout['tensor_parallel']} x PP {layout['pipeline_parallel']} x DP "
-        f"{layout['data_parallel']} (ZeRO {layout['zero_stage']})"
-    )
 
 
 @dataclasses.dataclass
@@ -126,143 +96,31 @@ class _Plan:
     missing: set[str]
 
 
-@contextlib.contextmanager
-def timeout_named(minutes: float):
-    """The host group's timeout (a rank still writing or reading its files while the others
-    wait in a collective) as a ``CheckpointError`` that names its flag and value."""
-    try:
-        yield
-    except RuntimeError as e:
-        if isinstance(e, CheckpointError) or "Timed out" not in str(e):
-            raise
-        raise CheckpointError(
-            "the ranks waited for each other's checkpoint files longer than "
-            f"--checkpoint-timeout-minutes ({minutes:g}): a slow file system needs a larger "
-            f"value ({str(e).splitlines()[0]})"
-        ) from e
+@dataclasses.dataclass
+class _Verdict:
+    """One rank's verdict on a checkpoint it would load, gathered by every rank: its error (None:
+    usable) and whether the checkpoint is of another model or run (``IncompatibleCheckpoint``);
+    the parameters this rank loads and what of ``optional`` the checkpoint lacks."""
+
+    error: str | None
+    incompatible: bool = False
+    names: list[str] = dataclasses.field(default_factory=list)
+    missing: set[str] = dataclasses.field(default_factory=set)
 
 
-class Checkpointer:
-    """The checkpoints of one run (every rank makes one, after the engine: collective).
+class CheckpointLoader:
+    """One run's loads: ``engine``, ``model`` and ``config`` as in ``Checkpointer``, ``group`` the
+    host group, ``cache`` the ``DigestCache``. ``bytes_read``, ``bytes_checked`` and
+    ``bytes_held``: the last load's bytes read, read to check digests, and of the tensors
+    filled."""
 
-    ``model``: the task's ``TrainModel`` (its ``tensor_layout``, ``optional`` prefixes and
-    ``frozen_from_pretrained``); ``config``: the run's ``RunConfig``.
-    """
-
-    def __init__(self, engine, model, config):
-        if model.tensor_layout is None:
-            raise ValueError("a model without a tensor layout cannot be checkpointed")
+    def __init__(self, engine, model, config, group, cache):
         self.engine, self.model, self.config = engine, model, config
-        self.ckpt = config.checkpoint
-        # the host group: an asynchronous save's exchanges run beside training's collectives,
-        # and a slow file system gets --checkpoint-timeout-minutes
-        self.group = host_group() or init_host_group(
-            timedelta(minutes=self.ckpt.checkpoint_timeout_minutes)
-        )
-        cache = os.path.join(self.ckpt.save, ".digests") if self.ckpt.save else None
-        self.cache = DigestCache(cache)
-        self._thread: threading.Thread | None = None
-        self._failure: BaseException | None = None
-        self._arena: HostArena | None = None  # --async-save's host copies
-        # the last load's bytes: read, read to check digests, and of the tensors filled
+        self.ckpt, self.group, self.cache = config.checkpoint, group, cache
         self.bytes_read = self.bytes_checked = self.bytes_held = 0
-
-    # ------------------------------------------------------------------ saving
-
-    def save(self, iteration: int, client_state: dict, rank_state=None) -> None:
-        """Save at ``iteration`` (collective). ``client_state``: the data position, schedule and
-        config; ``rank_state``: this rank's own state (CLIP's per-sample state shard). With
-        --async-save the write goes on in the background; otherwise a failure on any rank
-        stops every rank with one ``CheckpointError`` and the previous checkpoint stays."""
-        self.wait()
-        save_dir, tag = self.ckpt.save, tag_for(iteration)
-        if dist.get_rank() == 0:
-            checkpoint_writer.clear_for_save(save_dir, tag)
-        dist.barrier(group=self.group)
-        job = self._job(iteration, client_state, rank_state)
-        if not self.ckpt.async_save:
-            with self._timeout_named():
-                checkpoint_writer.write(job, self.group)
-            return
-        # the arena is reused by the next save (after wait)
-        job.boxes, self._arena = checkpoint_writer.snapshot(job.boxes, self._arena)
-        log_rank0("saving %s in the background (--async-save)", job.directory)
-        self._failure = None
-        self._thread = threading.Thread(target=self._write_in_background, args=(job,), daemon=True)
-        self._thread.start()
-
-    def prepare_async(self) -> None:
-        """--async-save: allocate (and touch) the host copies now, after the run's first step
-        (when every value to save exists), so that no save waits for their allocation."""
-        if not self.ckpt.async_save or self._arena is not None:
-            return
-        compat.link_optimizer_states(self.engine.optimizer)
-        params = parameter_boxes(
-            self.engine,
-            self.model.tensor_layout,
-            saving=True,
-            skip_frozen=self.model.frozen_from_pretrained,
-            moments=True,
-        )
-        self._arena = HostArena.for_tensors(
-            [b.tensor for p in params for boxes in p.boxes.values() for b in boxes]
-        )
-
-    @property
-    def host_copies(self) -> HostArena | None:
-        """--async-save's host buffer (``bytes_held``, ``bytes_needed``), once made."""
-        return self._arena
-
-    def _write_in_background(self, job: SaveJob) -> None:
-        try:
-            with self._timeout_named():
-                checkpoint_writer.write(job, self.group)
-        except BaseException as e:  # re-raised by wait(), in the training thread
-            self._failure = e
 
     def _timeout_named(self):
         return timeout_named(self.ckpt.checkpoint_timeout_minutes)
-
-    def wait(self) -> None:
-        """Let a background save finish (its failure is raised here, on every rank)."""
-        if self._thread is None:
-            return
-        self._thread.join()
-        self._thread = None
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
-            raise failure
-
-    def _job(self, iteration: int, client_state: dict, rank_state) -> SaveJob:
-        engine, exclude = self.engine, self.model.frozen_from_pretrained
-        compat.link_optimizer_states(engine.optimizer)
-        boxes = parameter_boxes(
-            engine, self.model.tensor_layout, saving=True, skip_frozen=exclude, moments=True
-        )
-        step = optimizer_step(engine)  # collective: every rank takes part
-        own = {**rng_state(), "rank_state": rank_state, "loss_scale": compat.loss_scale(engine)}
-        job = SaveJob(
-            self.ckpt.save,
-            tag_for(iteration),
-            [b for p in boxes for bs in p.boxes.values() for b in bs],
-            checkpoint_writer.serialise(own),
-            keep_last=self.ckpt.keep_last,
-            algorithm=self.ckpt.ckpt_digest,
-        )
-        if dist.get_rank() == 0:
-            job.train_state = {
-                "format": FORMAT,
-                **client_state,
-                "iteration": iteration,
-                "step": step,
-                "layout": current_layout(engine),
-                "vocab_size": self.model.tensor_layout.vocab_size,
-            }
-            if exclude:
-                job.markers[FROZEN_LM_EXCLUDED] = _FROZEN_NOTE
-        return job
-
-    # ------------------------------------------------------------------ loading
 
     def resume(self) -> dict | None:
         """--pretrained-checkpoint and --load as the run's flags ask; the state to continue
@@ -295,7 +153,7 @@ class Checkpointer:
         required = require or mode is LoadMode.WEIGHTS
         if not os.path.isdir(load_dir):
             if required:
-                raise CheckpointError(f"{source}: no such directory" + _REQUIRED * require)
+                raise CheckpointError(f"{source}: no such directory" + _required(require))
             log_rank0("no checkpoint in %s: starting from scratch", load_dir)
             return None
         foreign = self._foreign(load_dir, source)
@@ -311,7 +169,7 @@ class Checkpointer:
         if tag is None:
             if required:
                 raise CheckpointError(
-                    f"{source}: no checkpoint there (no 'latest')" + _REQUIRED * require
+                    f"{source}: no checkpoint there (no 'latest')" + _required(require)
                 )
             log_rank0("no checkpoint in %s: starting from scratch", load_dir)
             return None
@@ -324,7 +182,7 @@ class Checkpointer:
                 "loaded weights from %s (%s), a tempnet_dist checkpoint", plan.directory, flag
             )
             return None
-        return self._finish_resume(plan, source)
+        return _finish_resume(self.engine, self.ckpt, plan, source)
 
     def _foreign(self, load_dir: str, source: str):
         """Another framework's checkpoint in ``load_dir`` (none where this project's is)."""
@@ -408,18 +266,21 @@ class Checkpointer:
                     raise CheckpointError(f"{source}: {e}") from None
         except CheckpointError as e:
             error = str(e)
-        gathered = [None] * dist.get_world_size()
-        names = plan.names if plan is not None else []
-        missing = plan.missing if plan is not None else set()
-        dist.all_gather_object(gathered, (error, incompatible, names, missing), group=self.group)
-        first = next(((e, i) for e, i, _, _ in gathered if e is not None), None)
-        if first is None:  # what any stage lacks is said once, by rank 0
-            plan.missing = set().union(*(m for *_, m in gathered))
-        if first is None and plan.mode is LoadMode.RESUME:  # the same on every rank
-            extra = _extra_tensor(plan, {n for _, _, ns, _ in gathered for n in ns}, source)
-            first = None if extra is None else (extra, True)
-        if first is not None:
-            raise (IncompatibleCheckpoint if first[1] else CheckpointError)(first[0])
+        mine = _Verdict(error, incompatible)
+        if plan is not None:
+            mine.names, mine.missing = plan.names, plan.missing
+        every: list[_Verdict] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine, group=self.group)
+        refusal = next((v for v in every if v.error is not None), None)
+        if refusal is None:  # what any stage lacks is said once, by rank 0
+            plan.missing = set().union(*(v.missing for v in every))
+        if refusal is None and plan.mode is LoadMode.RESUME:  # the same on every rank
+            extra = _extra_tensor(plan, {n for v in every for n in v.names}, source)
+            refusal = None if extra is None else _Verdict(extra, incompatible=True)
+        if refusal is not None:
+            raise (IncompatibleCheckpoint if refusal.incompatible else CheckpointError)(
+                refusal.error
+            )
         return plan
 
     def _plan(self, directory: str, mode: LoadMode, source: str) -> _Plan:
@@ -477,56 +338,56 @@ class Checkpointer:
                 f"schedule count its samples): set --global-batch-size {saved}"
             )
 
-    def _finish_resume(self, plan: _Plan, source: str) -> dict:
-        """AdamW's step, the engine's counters, the RNG streams and the task state."""
-        engine, state, rank = self.engine, plan.state, dist.get_rank()
-        if not self.ckpt.no_load_optim:
-            prepare_optimizer_states(engine, int(state["step"]))
-        if plan.fresh_moments:
-            log_rank0(
-                "%d tensor(s) did not train in the checkpoint (e.g. %s): their AdamW moments "
-                "start at zero",
-                len(plan.fresh_moments),
-                plan.fresh_moments[0],
-            )
-        iteration = int(state["iteration"])
-        batch = state["config"]["training"]["global_batch_size"]
-        engine.global_steps = iteration
-        engine.global_samples = int(
-            (state.get("data") or {}).get("consumed_samples", iteration * batch)
-        )
-        client = {k: state.get(k) for k in ("data", "schedule", "config")}
-        client["iteration"] = iteration
-        saved_layout = state["layout"]
-        if saved_layout == current_layout(engine):
-            own = load_file(os.path.join(plan.directory, rank_file(rank)))
-            if self.ckpt.no_load_rng:
-                log_rank0("--no-load-rng: the RNG streams start from the run's seeds")
-            else:
-                set_rng_state(own)
-            compat.set_loss_scale(engine, own.get("loss_scale"))
-            client["rank_state"] = own.get("rank_state")
-        else:
-            log_rank0(
-                "%s: resharded from %s to %s; RNG streams are not carried across a layout "
-                "change: random draws (dropout) from iteration %d on differ from an "
-                "uninterrupted run's; everything else is exact",
-                source,
-                describe_layout(saved_layout),
-                describe_layout(current_layout(engine)),
-                iteration + 1,
-            )
-            files = [
-                load_file(os.path.join(plan.directory, f)) for f in rank_state_files(plan.directory)
-            ]
-            compat.set_loss_scale(engine, files[0].get("loss_scale") if files else None)
-            client["rank_states"] = [
-                f["rank_state"] for f in files if f.get("rank_state") is not None
-            ]
+
+def _finish_resume(engine, ckpt, plan: _Plan, source: str) -> dict:
+    """AdamW's step, the engine's counters, the RNG streams and the task state (``ckpt``: the
+    run's ``CheckpointConfig``)."""
+    state, rank = plan.state, dist.get_rank()
+    if not ckpt.no_load_optim:
+        prepare_optimizer_states(engine, int(state["step"]))
+    if plan.fresh_moments:
         log_rank0(
-            "resumed from %s at iteration %d, a tempnet_dist checkpoint", plan.directory, iteration
+            "%d tensor(s) did not train in the checkpoint (e.g. %s): their AdamW moments "
+            "start at zero",
+            len(plan.fresh_moments),
+            plan.fresh_moments[0],
         )
-        return client
+    iteration = int(state["iteration"])
+    batch = state["config"]["training"]["global_batch_size"]
+    engine.global_steps = iteration
+    engine.global_samples = int(
+        (state.get("data") or {}).get("consumed_samples", iteration * batch)
+    )
+    client = {k: state.get(k) for k in ("data", "schedule", "config")}
+    client["iteration"] = iteration
+    saved_layout = state["layout"]
+    if saved_layout == current_layout(engine):
+        own = load_file(os.path.join(plan.directory, rank_file(rank)))
+        if ckpt.no_load_rng:
+            log_rank0("--no-load-rng: the RNG streams start from the run's seeds")
+        else:
+            set_rng_state(own)
+        compat.set_loss_scale(engine, own.get("loss_scale"))
+        client["rank_state"] = own.get("rank_state")
+    else:
+        log_rank0(
+            "%s: resharded from %s to %s; RNG streams are not carried across a layout "
+            "change: random draws (dropout) from iteration %d on differ from an "
+            "uninterrupted run's; everything else is exact",
+            source,
+            describe_layout(saved_layout),
+            describe_layout(current_layout(engine)),
+            iteration + 1,
+        )
+        files = [
+            load_file(os.path.join(plan.directory, f)) for f in rank_state_files(plan.directory)
+        ]
+        compat.set_loss_scale(engine, files[0].get("loss_scale") if files else None)
+        client["rank_states"] = [f["rank_state"] for f in files if f.get("rank_state") is not None]
+    log_rank0(
+        "resumed from %s at iteration %d, a tempnet_dist checkpoint", plan.directory, iteration
+    )
+    return client
 
 
 def _select(params, saved: dict, optional: dict[str, str], source: str):

@@ -1,0 +1,4 @@
+"""Checkpoints: the format and its checks, each rank's share of the state as boxes of global
+tensors, the files written and read, the save (synchronous or in the background) and the load at
+any layout. Below the trainer: the trainer, the model families, the inference tools and the
+checkpoint tools use it; it uses none of them."""
