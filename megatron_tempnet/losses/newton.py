@@ -57,15 +57,7 @@ def optimal_tau(
         ``[b, s]`` tau, float64 for float64 logits else float32, no gradient, identical on all TP
         ranks. One SUM all-reduce of ``[T, 3]`` per iteration, one MAX all-reduce in all.
     """
-    if not tau_min > 0:
-        raise ValueError(f"tau_min ({tau_min}) must be > 0")
-    if tau_max is not None and not tau_max > tau_min:
-        raise ValueError(f"tau_max ({tau_max}) must be > tau_min ({tau_min})")
-    if rho < 0 or (rho == 0 and tau_max is None):
-        raise ValueError(
-            f"rho ({rho}) must be > 0 (or >= 0 with tau_max): with rho = 0, f(tau) decreases for "
-            f"all tau and has no finite minimiser"
-        )
+    _check_bounds(rho, tau_min, tau_max)
     tp = resolve_tp_group(tp_group)
     n_cols = vocab_parallel_logits.shape[-1]
     if not 1 <= vocab_size <= n_cols * tp.size:
@@ -109,6 +101,18 @@ def optimal_tau(
     _warn_unconverged(g, done, tol)
     out_dtype = torch.float64 if vocab_parallel_logits.dtype == torch.float64 else torch.float32
     return tau.to(out_dtype).view(vocab_parallel_logits.shape[:-1])
+
+
+def _check_bounds(rho: float, tau_min: float, tau_max: float | None) -> None:
+    if not tau_min > 0:
+        raise ValueError(f"tau_min ({tau_min}) must be > 0")
+    if tau_max is not None and not tau_max > tau_min:
+        raise ValueError(f"tau_max ({tau_max}) must be > tau_min ({tau_min})")
+    if rho < 0 or (rho == 0 and tau_max is None):
+        raise ValueError(
+            f"rho ({rho}) must be > 0 (or >= 0 with tau_max): with rho = 0, f(tau) decreases for "
+            f"all tau and has no finite minimiser"
+        )
 
 
 def _next_tau(tau, g, h, lo, hi, lo_seen, hi_seen):

@@ -64,17 +64,19 @@ class StepReport:
     metrics: dict[str, float]
     count: float
     grad_norm: float | None
-    extra: list[list[float]]
-    """The values of ``read_step``'s extra vectors, in order."""
+    stop_flags: list[float] | None = None
+    """The values of ``read_step``'s ``stop_flags`` vector, when it was given one."""
 
 
-def read_step(stats: StepStats, *extra: torch.Tensor) -> StepReport:
-    """The step's totals, gradient norm and ``extra`` device vectors on the host, in one copy."""
+def read_step(stats: StepStats, stop_flags: torch.Tensor | None = None) -> StepReport:
+    """The step's totals, gradient norm and ``stop_flags`` (a device vector: the stop requests
+    the ranks agreed on) on the host, in one copy."""
     norm = stats.grad_norm
     parts = [stats.totals.vector]
     if isinstance(norm, torch.Tensor):
         parts.append(norm.detach().reshape(1).to(torch.float64))
-    parts += [e.reshape(-1).to(torch.float64) for e in extra]
+    if stop_flags is not None:
+        parts.append(stop_flags.reshape(-1).to(torch.float64))
     values = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()
     n = len(stats.totals.names)
     totals = stats.totals.read(values[:n])
@@ -82,11 +84,8 @@ def read_step(stats: StepStats, *extra: torch.Tensor) -> StepReport:
         norm, n = values[n], n + 1
     elif norm is not None:
         norm = float(norm)
-    out = []
-    for e in extra:
-        out.append(values[n : n + e.numel()])
-        n += e.numel()
-    return StepReport(stats.summarize(totals), stats.count(totals), norm, out)
+    flags = values[n:] if stop_flags is not None else None
+    return StepReport(stats.summarize(totals), stats.count(totals), norm, flags)
 
 
 class Statistics:
