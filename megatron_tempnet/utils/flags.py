@@ -116,9 +116,11 @@ def add_flags(
     preset: bool = False,
     exclude: typing.Collection[str] = (),
     required: bool | None = None,
+    preset_required: typing.Collection[str] = (),
 ):
     """Add the flags of ``cls``'s fields: to a new argument group titled ``title``, or with no
-    title to ``parser`` itself (which may be a group).
+    title to ``parser`` itself (which may be a group). ``preset_required``: with ``preset``, the
+    fields that must be given when no preset is (the program checks; the help says so).
 
     ``exclude``: fields left out (the program derives them). ``required``: override whether
     fields without a default must be given. Returns the group.
@@ -133,12 +135,19 @@ def add_flags(
         if f.name not in docs:
             raise TypeError(f"{cls.__name__}.{f.name} has no docstring: it is {flag}'s help text")
         names = (flag, *f.metadata.get(_ALIASES, ()))
-        group.add_argument(*names, **_argument(f, hints[f.name], docs[f.name], preset, required))
+        must = preset and f.name in preset_required
+        spec = _argument(f, hints[f.name], docs[f.name], preset, required, must)
+        group.add_argument(*names, **spec)
     return group
 
 
 def _argument(
-    f: dataclasses.Field, annotation, doc: str, preset: bool, required: bool | None
+    f: dataclasses.Field,
+    annotation,
+    doc: str,
+    preset: bool,
+    required: bool | None,
+    preset_required: bool = False,
 ) -> dict:
     kind, several = _unwrap(annotation)
     has_default = f.default is not dataclasses.MISSING or (
@@ -148,7 +157,10 @@ def _argument(
     if f.default_factory is not dataclasses.MISSING:
         default = f.default_factory()
     help_text = doc.replace("%", "%%")
-    if preset:
+    if preset and preset_required:
+        help_text += " (required without --model, as in Megatron-LM; else the preset's)"
+        default = None
+    elif preset:
         if "(default:" not in help_text:
             shown = "none" if not has_default or default is None else default
             if isinstance(default, bool):
@@ -187,10 +199,16 @@ def _canonical_choice(choices: list[str]):
 
 
 def add_preset_flags(
-    parser: argparse.ArgumentParser, cls: type, presets: dict, default: str | None, what: str
+    parser: argparse.ArgumentParser,
+    cls: type,
+    presets: dict,
+    default: str | None,
+    what: str,
+    required: tuple[str, ...] = (),
 ):
     """The ``model`` group: ``--model`` (one of ``presets``, describing ``what``) and ``cls``'s
-    flags, each overriding the preset's value."""
+    flags, each overriding the preset's value; the fields in ``required`` must be given without
+    --model (their help says so instead of a default)."""
     group = parser.add_argument_group("model")
     none = "none: the model is what its flags say, with Megatron-LM's defaults"
     group.add_argument(
@@ -200,7 +218,7 @@ def add_preset_flags(
         help=f"{what}; every other model flag overrides it, and the overrides are listed at "
         f"start-up (default: {default or none})",
     )
-    return add_flags(group, cls, preset=True)
+    return add_flags(group, cls, preset=True, preset_required=frozenset(required))
 
 
 def flag_values(cls: type, args: argparse.Namespace) -> dict:

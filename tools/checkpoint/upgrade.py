@@ -45,7 +45,7 @@ from megatron_tempnet.checkpoint.checkpoint_format import (  # noqa: E402
     mark_complete,
     publish_latest,
 )
-from megatron_tempnet.checkpoint.checkpointer import FORMAT  # noqa: E402
+from megatron_tempnet.checkpoint.checkpoint_format import FORMAT  # noqa: E402
 from megatron_tempnet.checkpoint.file_io import load_file  # noqa: E402
 from megatron_tempnet.checkpoint.shard_storage import DIRECTORY, write_full_tensors  # noqa: E402
 from megatron_tempnet.distributed.sharding import merge_tensor, tensor_kind  # noqa: E402

@@ -41,7 +41,8 @@ def build_parser() -> FlagParser:
         refused=run_flags.REFUSED,
         refused_prefixes=run_flags.REFUSED_PREFIXES,
     )
-    add_preset_flags(p, ModelConfig, PRESETS, None, "architecture preset")
+    add_preset_flags(p, ModelConfig, PRESETS, None, "architecture preset",
+                     required=megatron_flags.required_shape())  # fmt: skip
     add_flags(p, GPTDataConfig, "data", exclude=_DERIVED_DATA)
     add_flags(p, TokenizerConfig, "tokenizer")
     add_flags(p, LossConfig, "loss", exclude=TEMPNET_FIELDS)
