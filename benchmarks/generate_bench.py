@@ -17,7 +17,7 @@ stop), with TempNet's tau on every step:
 3. the recompute path (``kv_cache=False``: the whole sequence every step, the algorithm before
    the KV cache) at batch 1, for the record.
 
-    python benchmarks/generate_bench.py --json docs/generate_bench_cpu.json
+    python benchmarks/generate_bench.py --json benchmarks/results/generate_bench_cpu.json
     python benchmarks/generate_bench.py --device cuda --num-layers 32 --hidden-size 4096 ...
 """
 

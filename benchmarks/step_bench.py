@@ -21,7 +21,7 @@ through the same objective as pretrain_gpt.py (``TrainModule``) on GPT-2 125M's 
 4. ``--sequence-parallel-memory`` (only this): one step's memory at TP 2 (two gloo processes)
    with and without --sequence-parallel, beside the planner's figure (``sp_memory.py``).
 
-    python benchmarks/step_bench.py --json docs/step_bench_cpu.json
+    python benchmarks/step_bench.py --json benchmarks/results/step_bench_cpu.json
     python benchmarks/step_bench.py --device cuda --num-layers 12
     python benchmarks/step_bench.py --sequence-parallel-memory --num-layers 4 --seq-lengths 2048
 """
