@@ -34,6 +34,7 @@ import torch  # noqa: E402
 from megatron_tempnet.checkpoint.checkpoint_format import (  # noqa: E402
     CONFIG,
     CONFIG_YAML,
+    FORMAT,
     FROZEN_LM_EXCLUDED,
     TRAIN_STATE,
     WEIGHTS_ONLY,
@@ -45,7 +46,6 @@ from megatron_tempnet.checkpoint.checkpoint_format import (  # noqa: E402
     mark_complete,
     publish_latest,
 )
-from megatron_tempnet.checkpoint.checkpoint_format import FORMAT  # noqa: E402
 from megatron_tempnet.checkpoint.file_io import load_file  # noqa: E402
 from megatron_tempnet.checkpoint.shard_storage import DIRECTORY, write_full_tensors  # noqa: E402
 from megatron_tempnet.distributed.sharding import merge_tensor, tensor_kind  # noqa: E402
