@@ -241,6 +241,8 @@ def _hidden_cache(config: GPTRunConfig, lm, tp_group) -> FrozenHiddenCache:
         "params_dtype": str(config.training.params_dtype),
         "tensor_model_parallel_size": config.parallel.tensor_model_parallel_size,
         "sequence_parallel": config.parallel.sequence_parallel,
+        # the samples' own attention (the key holds their tokens and positions, not this flag)
+        "reset_attention_mask": config.data.reset_attention_mask,
     }
     return FrozenHiddenCache(config.training.frozen_lm_cache, lm, settings, tp.rank, tp.size)
 
