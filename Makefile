@@ -16,7 +16,7 @@
 # make bench    loss benchmark (prints a table)
 # make bench-data  preprocessing throughput and memory on a generated 200 MB .jsonl.zst
 # make bench-step  training step: fused vs unfused attention, DRO + TempNet vs CE, the planner
-# make bench-stage the whole output stage: today's (logits formed whole) vs the fused one
+# make bench-stage the whole output stage: unfused (logits formed whole) vs the fused one
 # make bench-ckpt  checkpoints: save, --async-save, load at the same and another layout
 # make bench-frozen  setting (iii): TempNet trained on a frozen SmolLM2-135M-shaped LM against
 #                  its plain forward pass (ARGS="--threads 1" on a shared machine; --load DIR)

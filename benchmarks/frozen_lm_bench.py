@@ -155,7 +155,7 @@ def build(args) -> dict:
         vocab_size=m.vocab_size,
         padded_vocab_size=m.padded_vocab_size(1),
         hidden_size=m.hidden_size,
-        d1=config.loss.tempnet_hidden_size,
+        d1=config.loss.tempnet.tempnet_hidden_size,
         num_layers=m.num_layers,
         rho=config.loss.rho,
         trained_params=sum(p.numel() for p in engine.module.parameters() if p.requires_grad),

@@ -24,7 +24,7 @@ cores, times are not comparable to a real run (memory still is).
     python benchmarks/loss_bench.py --tokens 2048 --hidden 768 4096 --tp 1 4 --json out.json
     python benchmarks/loss_bench.py --device cuda       # one GPU per TP rank
 
-Section "stage" (``--section stage``, ``make bench-stage``): the whole output stage, today's
+Section "stage" (``--section stage``, ``make bench-stage``): the whole output stage, unfused
 against the fused one (benchmarks/stage_cases.py), at the ``--stage-shapes`` given as
 hidden:padded vocabulary:TP.
 
@@ -342,6 +342,51 @@ def _targets(rows):
 
 
 def main():
+    args = _parse_args()
+    rows = []
+    for tp in args.tp:
+        rows.extend(_measure(tp, args))
+    machine = common.machine(args.device)
+    if args.section == "stage":
+        _print_stage_table(rows, args, machine)
+        checks = stage_cases.stage_targets(rows)
+    else:
+        rows = _with_ratios(rows)
+        _print_table(rows, args, machine)
+        checks = _targets(rows)
+    if any(r["oversubscribed"] for r in rows):
+        print("-: more TP ranks than CPU cores, so no time is measured (memory is)")
+    if checks:
+        print("\ntargets")
+        for desc, value, limit, ok in checks:
+            print(f"  {'PASS' if ok else 'MISS'}  {desc}: {value:.3f} (limit {limit})")
+    if args.json:
+        targets = [dict(check=d, value=v, limit=lim, passed=ok) for d, v, lim, ok in checks]
+        with open(args.json, "w") as f:
+            json.dump(
+                {"machine": machine, "args": vars(args), "rows": rows, "targets": targets},
+                f,
+                indent=2,
+            )
+
+
+def _measure(tp: int, args) -> list[dict]:
+    """The rows of one TP size: time and peak memory, each in processes of their own."""
+    if args.device == "cuda":
+        return _spawn(tp, args, "both", {})
+    # glibc returning every tensor of 1 MiB or more to the OS: RSS follows live memory.
+    memory = _spawn(tp, args, "memory", common.GLIBC_RETURNS_MEMORY)
+    if tp > (os.cpu_count() or 1):  # ranks would share cores: no meaningful time
+        for row in memory:
+            row["time_ms"] = None
+        return memory
+    timed = _spawn(tp, args, "time", _allocator_env(args.allocator))
+    for row, mem in zip(timed, memory):
+        row["peak_mb"] = mem["peak_mb"]
+    return timed
+
+
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=512, help="T = sequence x micro-batch")
     parser.add_argument("--hidden", type=int, nargs="+", default=[768], help="hidden sizes h")
@@ -352,7 +397,7 @@ def main():
         "--section",
         choices=["cases", "stage"],
         default="cases",
-        help="cases: the loss paths a-d; stage: the whole output stage, today's vs fused",
+        help="cases: the loss paths a-d; stage: the whole output stage, unfused vs fused",
     )
     parser.add_argument(
         "--stage-shapes",
@@ -383,50 +428,7 @@ def main():
         )
     if args.section == "stage":
         args.tp = sorted({tp for _, _, tp in _stage_shapes(args)})
-    rows = []
-    for tp in args.tp:
-        if args.device == "cuda":
-            rows.extend(_spawn(tp, args, "both", {}))
-            continue
-        # glibc returning every tensor of 1 MiB or more to the OS: RSS follows live memory.
-        memory = _spawn(tp, args, "memory", common.GLIBC_RETURNS_MEMORY)
-        if tp > (os.cpu_count() or 1):  # ranks would share cores: no meaningful time
-            for row in memory:
-                row["time_ms"] = None
-            rows.extend(memory)
-            continue
-        timed = _spawn(tp, args, "time", _allocator_env(args.allocator))
-        for row, mem in zip(timed, memory):
-            row["peak_mb"] = mem["peak_mb"]
-            rows.append(row)
-    machine = common.machine(args.device)
-    if args.section == "stage":
-        _print_stage_table(rows, args, machine)
-        checks = stage_cases.stage_targets(rows)
-    else:
-        rows = _with_ratios(rows)
-        _print_table(rows, args, machine)
-        checks = _targets(rows)
-    if any(r["oversubscribed"] for r in rows):
-        print("-: more TP ranks than CPU cores, so no time is measured (memory is)")
-    if checks:
-        print("\ntargets")
-        for desc, value, limit, ok in checks:
-            print(f"  {'PASS' if ok else 'MISS'}  {desc}: {value:.3f} (limit {limit})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "machine": machine,
-                    "args": vars(args),
-                    "rows": rows,
-                    "targets": [
-                        dict(check=d, value=v, limit=lim, passed=ok) for d, v, lim, ok in checks
-                    ],
-                },
-                f,
-                indent=2,
-            )
+    return args
 
 
 if __name__ == "__main__":

@@ -3,13 +3,13 @@
 Cases (final hidden states ``[T, h]`` and this rank's output weight ``[V/tp, h]`` in, gradients
 of both and of TempNet out):
 
-  u    today's stage: output GEMM, then ``token_losses_from_logits`` (TempNet, DRO, the
+  u    the unfused stage: output GEMM, then ``token_losses_from_logits`` (TempNet, DRO, the
        reported cross-entropy), the path of ``--no-fused-output-stage``
   f    the fused output stage: ``token_losses_fused`` on ``FinalHidden`` (the default)
   f-r  the fused stage with its gradients recomputed in the backward pass
        (``eager_gradients=False``)
   a    megatron-core's output layer GEMM + ``vocab_parallel_cross_entropy``
-  u-ce today's stage with ``--loss ce``
+  u-ce the unfused stage with ``--loss ce``
   f-ce the fused stage with ``--loss ce``
 """
 
@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
-from megatron_tempnet.losses import fused_output_stage
+from megatron_tempnet.losses import TempNetTau, fused_output_stage
 from megatron_tempnet.models.gpt.layers import FinalHidden
 from megatron_tempnet.models.gpt.objective import (
     LossConfig,
@@ -34,11 +34,11 @@ from megatron_tempnet.tempnet import TempNetLM
 
 STAGE_CASES = ["u", "f", "f-r", "a", "u-ce", "f-ce"]
 STAGE_NAMES = {
-    "u": "today: GEMM + TempNet + DRO",
+    "u": "unfused: GEMM + TempNet + DRO",
     "f": "fused: TempNet + DRO",
     "f-r": "recompute: TempNet + DRO",
     "a": "megatron-core GEMM + CE",
-    "u-ce": "today: GEMM + CE (--loss ce)",
+    "u-ce": "unfused: GEMM + CE (--loss ce)",
     "f-ce": "fused: CE (--loss ce)",
 }
 STAGE_SHAPES = ["768:50304:1", "768:50304:2", "4096:32000:1"]
@@ -73,8 +73,9 @@ def setup_stage(device, tokens: int, hidden: int, vocab: int, tp: int, rank: int
             return token_losses_from_logits(logits(), labels, config, **common).loss.mean()
         if case == "f-r":  # what token_losses_fused does, without the eager gradients
             out = fused_output_stage(
-                h, w, labels.t(), loss="dro", rho=config.rho, eager_gradients=False, **common
-            )
+                h, w, labels.t(), loss="dro", rho=config.rho, eager_gradients=False,
+                vocab_size=vocab, tau=TempNetTau(tempnet), tp_group=group,
+            )  # fmt: skip
             return out.loss.mean()
         return token_losses_fused(FinalHidden(h, w), labels, config, **common).loss.mean()
 

@@ -133,7 +133,20 @@ def main() -> int:
     os.makedirs(out("logs"), exist_ok=True)
     start = time.perf_counter()
     print(f"quickstart in {show()} (each command's whole output: {show('logs')}/)", flush=True)
+    tokenizer = _corpus(args, out, show)
+    launch, env = _train(args, out, tokenizer)
+    _held_out(args, out, show, launch, env)
+    latest = {run: open(out(run, "latest")).read().strip() for run in ("lm", "tempnet")}
+    print(f"done in {time.perf_counter() - start:.0f} s")
+    print(f"  metrics      {show('lm.metrics.jsonl')}, {show('tempnet.metrics.jsonl')}")
+    print(f"  TensorBoard  tensorboard --logdir {show('tensorboard')}")
+    print(f"  checkpoints  {show('lm', latest['lm'])} (LM)")
+    print(f"               {show('tempnet', latest['tempnet'])} (LM + TempNet)")
+    return 0
 
+
+def _corpus(args, out, show) -> list[str]:
+    """Steps 1-3: the corpus, its tokenizer and the indexed dataset; the tokenizer's flags."""
     train_docs, held_docs = write_corpus(out())
     print(f"[1/6] corpus: {train_docs} training documents, {held_docs} held-out passages (pydoc)")
     model = train_tokenizer(out("corpus.jsonl"), out("tokenizer"), args.vocab_size)
@@ -151,7 +164,12 @@ def main() -> int:
 
     tokens = validate_indexed_dataset(out("corpus_text_document")).num_tokens
     print(f"[3/6] preprocessing: {tokens:,} tokens -> {show('corpus_text_document')}.bin/.idx")
+    return tokenizer
 
+
+def _train(args, out, tokenizer: list[str]) -> tuple[list[str], dict]:
+    """Steps 4-5: the LM with cross-entropy, then TempNet + LM; the launcher and its env."""
+    python = [sys.executable]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     launch = python + ["-m", "torch.distributed.run", "--standalone"]
     launch += [f"--nproc-per-node={args.nproc}"]
@@ -192,7 +210,12 @@ def main() -> int:
         lambda line: training_line(line, args.tempnet_iters),
         env,
     )
+    return launch, env
 
+
+def _held_out(args, out, show, launch: list[str], env: dict) -> None:
+    """Step 6: TempNet's tau on the held-out passages, and one passage drawn."""
+    python = [sys.executable]
     run(
         launch
         + [os.path.join(REPO, "tools", "evaluate.py"), "--load", out("tempnet")]
@@ -224,13 +247,6 @@ def main() -> int:
         out("logs", "visualize.log"),
     )
     print(f"      tau of every token of passage {shown}: {show('tau.html')}, {show('tau.png')}")
-    latest = {run: open(out(run, "latest")).read().strip() for run in ("lm", "tempnet")}
-    print(f"done in {time.perf_counter() - start:.0f} s")
-    print(f"  metrics      {show('lm.metrics.jsonl')}, {show('tempnet.metrics.jsonl')}")
-    print(f"  TensorBoard  tensorboard --logdir {show('tensorboard')}")
-    print(f"  checkpoints  {show('lm', latest['lm'])} (LM)")
-    print(f"               {show('tempnet', latest['tempnet'])} (LM + TempNet)")
-    return 0
 
 
 if __name__ == "__main__":

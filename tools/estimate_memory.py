@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute-granularity", choices=("full", "selective"))
     p.add_argument("--recompute-method", choices=("uniform", "block"))
     p.add_argument("--recompute-num-layers", type=int)
+    _add_computation_flags(p)
+    return p
+
+
+def _add_computation_flags(p: argparse.ArgumentParser) -> None:
+    """How the run computes and saves: attention, the output stage, TempNet, the GPU's memory,
+    asynchronous saves and the frozen LM's cache."""
     p.add_argument(
         "--attention-backend",
         choices=ATTENTION_BACKENDS,
@@ -126,7 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="with --frozen-lm-cache: the distinct training tokens stored (e.g. 1e8)",
     )
-    return p
 
 
 def cache_lines(model: ModelConfig, layout: Layout, tokens: float | None) -> list[str]:

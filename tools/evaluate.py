@@ -46,15 +46,10 @@ from megatron_tempnet.inference.cli import (
     apply_tau_target,
     load_from_args,
 )
-from megatron_tempnet.inference.evaluation import (
-    NewtonTau,
-    merge,
-    score_sequences,
-    summarise,
-    windows,
-)
+from megatron_tempnet.inference.evaluation import merge, score_sequences, summarise, windows
 from megatron_tempnet.inference.generation import long_token_texts
 from megatron_tempnet.inference.model import InferenceError
+from megatron_tempnet.losses.tau_source import FixedTau, NewtonTau
 from megatron_tempnet.utils.cli import run_tool
 from megatron_tempnet.utils.files import write_atomic
 from megatron_tempnet.utils.progress import progress
@@ -174,13 +169,14 @@ def read_documents(args, tokenizer, vocab_size: int) -> list[list[int]]:
 
 def newton_settings(args, config: dict) -> NewtonTau:
     """``--tau-source newton``'s rho and bounds: the flags, else the run's loss settings, else
-    the paper's (``TempNetConfig``)."""
-    from megatron_tempnet.tempnet.config import TempNetConfig
+    the paper's (``LossConfig``'s defaults)."""
+    from megatron_tempnet.models.gpt.objective import LossConfig
+    from megatron_tempnet.tempnet.config import saved_loss_settings
 
-    saved, paper = config.get("loss") or {}, TempNetConfig()
+    saved, paper = saved_loss_settings(config.get("loss") or {}), LossConfig()
     rho = args.rho if args.rho is not None else saved.get("rho", paper.rho)
-    low = args.tau_min if args.tau_min is not None else saved.get("tau_min", paper.tau_min)
-    high = args.tau_max if args.tau_max is not None else saved.get("tau_max", paper.tau_max)
+    low = args.tau_min if args.tau_min is not None else saved.get("tau_min", paper.tempnet.tau_min)
+    high = args.tau_max if args.tau_max is not None else saved.get("tau_max", paper.tempnet.tau_max)
     if not rho > 0:
         raise InferenceError(f"--tempnet-rho ({rho}) must be > 0 for --tau-source newton")
     if not 0 < low < high:
@@ -203,7 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     if source != "fixed" and args.fixed_tau is not None:
         raise InferenceError(f"--fixed-tau is for --tau-source fixed, not {source}")
     model, tokenizer = load_from_args(args, need_tempnet=source == "tempnet")
-    newton = newton_settings(args, model.config) if source == "newton" else None
+    tau = None  # TempNet's
+    if source == "newton":
+        tau = newton_settings(args, model.config)
+    elif source == "fixed":
+        tau = FixedTau(args.fixed_tau)
     grid = tuple(args.tau_grid)
     if any(not t > 0 for t in grid):
         raise InferenceError(
@@ -228,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         flat = score_sequences(
             model,
             sequences,
-            fixed_tau=args.fixed_tau,
-            newton=newton,
+            tau=tau,
             grid=grid,
             fused_output_stage=args.fused_output_stage,
             chunk_size=args.output_stage_chunk_size or None,
@@ -247,32 +246,37 @@ def main(argv: list[str] | None = None) -> int:
         tau_source=source,
         tau_max_eval=args.tau_max_eval,
         **({"tau_target": fitted} if fitted else {}),
-        **({"rho": newton.rho, "tau_min": newton.tau_min, "tau_max": newton.tau_max}
-           if newton else {}),
+        **({"rho": tau.rho, "tau_min": tau.tau_min, "tau_max": tau.tau_max}
+           if isinstance(tau, NewtonTau) else {}),
     )  # fmt: skip
     if dist.get_rank() == 0:
-        print(json.dumps(summary))
-        if args.output:
-            write_atomic(args.output, json.dumps(summary, indent=2) + "\n")
-        if args.per_token_output:
-            rows = [
-                json.dumps(
-                    {
-                        "index": i,
-                        "prompt": tokenizer.detokenize(d[:1]),  # the first token: not scored
-                        "tokens": long_token_texts(tokenizer.detokenize, s.targets, d[:1]),
-                        "targets": s.targets,
-                        "ce": s.ce,
-                        "tllm_logprob": [-x for x in s.tllm_ce],
-                        "tau": s.tau,
-                        **({"tempnet_tau": s.tempnet_tau} if s.tempnet_tau else {}),
-                    }
-                )
-                for i, (s, d) in enumerate(zip(scores, documents))
-            ]
-            write_atomic(args.per_token_output, "".join(r + "\n" for r in rows))
+        _write_outputs(args, summary, scores, documents, tokenizer)
     dist.barrier()
     return 0
+
+
+def _write_outputs(args, summary: dict, scores: list, documents: list, tokenizer) -> None:
+    """The summary (printed, and --output), and --per-token-output's one line per document."""
+    print(json.dumps(summary))
+    if args.output:
+        write_atomic(args.output, json.dumps(summary, indent=2) + "\n")
+    if args.per_token_output:
+        rows = [
+            json.dumps(
+                {
+                    "index": i,
+                    "prompt": tokenizer.detokenize(d[:1]),  # the first token: not scored
+                    "tokens": long_token_texts(tokenizer.detokenize, s.targets, d[:1]),
+                    "targets": s.targets,
+                    "ce": s.ce,
+                    "tllm_logprob": [-x for x in s.tllm_ce],
+                    "tau": s.tau,
+                    **({"tempnet_tau": s.tempnet_tau} if s.tempnet_tau else {}),
+                }
+            )
+            for i, (s, d) in enumerate(zip(scores, documents))
+        ]
+        write_atomic(args.per_token_output, "".join(r + "\n" for r in rows))
 
 
 if __name__ == "__main__":

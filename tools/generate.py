@@ -36,6 +36,7 @@ from megatron_tempnet.inference.cli import (
 )
 from megatron_tempnet.inference.generation import GenerationError, generate, token_texts
 from megatron_tempnet.inference.token_sampling import SamplingConfig
+from megatron_tempnet.losses.tau_source import FixedTau
 from megatron_tempnet.utils.cli import run_tool
 from megatron_tempnet.utils.files import write_atomic
 from megatron_tempnet.utils.progress import progress
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             ids,
             max_new_tokens=args.max_new_tokens,
             sampling=sampling,
-            fixed_tau=args.fixed_tau,
+            tau=None if args.fixed_tau is None else FixedTau(args.fixed_tau),
             eod=None if args.ignore_eod else tokenizer.eod,
             micro_batch_size=args.micro_batch_size,
             kv_cache=args.kv_cache,

@@ -48,6 +48,7 @@ from megatron_tempnet.inference.generation import GenerationError, check_prompts
 from megatron_tempnet.inference.model import InferenceError
 from megatron_tempnet.inference.service import Service
 from megatron_tempnet.inference.token_sampling import SamplingConfig
+from megatron_tempnet.losses.tau_source import FixedTau
 from megatron_tempnet.utils.cli import run_tool
 
 MAX_BODY = 1 << 20
@@ -132,7 +133,7 @@ class Generator:
                 prompts=ids,
                 max_new_tokens=r["tokens_to_generate"],
                 sampling=sampling,
-                fixed_tau=fixed,
+                tau=None if fixed is None else FixedTau(fixed),
                 eod=self.tokenizer.eod if r["stop_at_eod"] else None,
                 micro_batch_size=self.args.micro_batch_size,
                 tau_max_eval=r.get("tau_max_eval"),

@@ -71,12 +71,12 @@ class IncompatibleCheckpoint(CheckpointError):
     older checkpoint is tried instead (--load-fallback is for damaged ones)."""
 
 
-def read_train_state(checkpoint: str, source: str) -> dict:
+def read_train_state(directory: str, source: str) -> dict:
     """The checkpoint's ``train_state.json`` (its ``config``: the run config it was saved
     with); a ``CheckpointError`` naming it when it is missing or unreadable."""
-    path = os.path.join(checkpoint, TRAIN_STATE)
+    path = os.path.join(directory, TRAIN_STATE)
     if not os.path.isfile(path):
-        raise CheckpointError(f"{source}: {checkpoint} has no {TRAIN_STATE}")
+        raise CheckpointError(f"{source}: {directory} has no {TRAIN_STATE}")
     try:
         with open(path) as f:
             state = json.load(f)
@@ -108,9 +108,9 @@ def publish_latest(save_dir: str, tag: str) -> None:
     write_atomic(os.path.join(save_dir, LATEST), tag, fsync=True)
 
 
-def has_marker(checkpoint: str, marker: str) -> bool:
+def has_marker(directory: str, marker: str) -> bool:
     """Whether the checkpoint directory (``SAVE/iter_...``) carries ``marker``."""
-    return os.path.exists(os.path.join(checkpoint, marker))
+    return os.path.exists(os.path.join(directory, marker))
 
 
 def checkpoint_dir(load_dir: str, flag: str = "--load") -> str:
@@ -132,18 +132,18 @@ def checkpoint_tags(save_dir: str) -> list[str]:
     return sorted(d for d in names if os.path.isdir(os.path.join(save_dir, d)))
 
 
-def is_complete(checkpoint: str) -> bool:
+def is_complete(directory: str) -> bool:
     """Whether the save of this checkpoint directory finished (its marker is there)."""
-    return os.path.isfile(os.path.join(checkpoint, COMPLETE))
+    return os.path.isfile(os.path.join(directory, COMPLETE))
 
 
-def checkpoint_files(checkpoint: str) -> list[str]:
+def checkpoint_files(directory: str) -> list[str]:
     """Every file of a checkpoint directory (relative, sorted), but the marker and files still
     under their temporary names."""
     found = []
-    for root, _, names in os.walk(checkpoint):
+    for root, _, names in os.walk(directory):
         for name in names:
-            rel = os.path.relpath(os.path.join(root, name), checkpoint)
+            rel = os.path.relpath(os.path.join(root, name), directory)
             if rel != COMPLETE and not name.endswith(".partial"):
                 found.append(rel)
     return sorted(found)
@@ -167,27 +167,27 @@ def file_digest(path: str, algorithm: str = "xxh3_128", *, fsync: bool = False) 
 
 
 def write_complete(
-    checkpoint: str, files: dict[str, tuple[int, str]], algorithm: str = "xxh3_128"
+    directory: str, files: dict[str, tuple[int, str]], algorithm: str = "xxh3_128"
 ) -> None:
     """Mark the checkpoint complete, recording ``files`` (relative path -> size, digest of
     ``algorithm``): the last file of a save, flushed to disk with its directory entry."""
     record = {k: {"size": size, algorithm: d} for k, (size, d) in sorted(files.items())}
     text = json.dumps({"format": _FORMAT, "digest": algorithm, "files": record}, indent=1)
-    write_atomic(os.path.join(checkpoint, COMPLETE), text, fsync=True)
-    descriptor = os.open(checkpoint, os.O_RDONLY)
+    write_atomic(os.path.join(directory, COMPLETE), text, fsync=True)
+    descriptor = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
 
 
-def mark_complete(checkpoint: str, algorithm: str = "xxh3_128") -> None:
+def mark_complete(directory: str, algorithm: str = "xxh3_128") -> None:
     """Record every file of a checkpoint written by one process (a conversion) as complete."""
     write_complete(
-        checkpoint,
+        directory,
         {
-            f: file_digest(os.path.join(checkpoint, f), algorithm, fsync=True)
-            for f in checkpoint_files(checkpoint)
+            f: file_digest(os.path.join(directory, f), algorithm, fsync=True)
+            for f in checkpoint_files(directory)
         },
         algorithm,
     )
@@ -252,12 +252,12 @@ class DigestCache:
 
 
 def check_checkpoint(
-    checkpoint: str,
+    directory: str,
     source: str,
     verify: Iterable[str] | None = None,
     cache: DigestCache | None = None,
 ) -> None:
-    """Raise a ``CheckpointError`` naming the first file of ``checkpoint`` that is missing,
+    """Raise a ``CheckpointError`` naming the first file of ``directory`` that is missing,
     truncated or altered since its save, or the checkpoint when it is incomplete.
 
     Every file's presence and size are checked; the digests of the files in ``verify`` only
@@ -265,12 +265,12 @@ def check_checkpoint(
     load checks the parts of the tensor files it reads by their own digests:
     ``shard_storage.verify_reads``.)
     """
-    marker = os.path.join(checkpoint, COMPLETE)
-    if not os.path.isdir(checkpoint):
-        raise CheckpointError(f"{source}: {checkpoint} is missing")
+    marker = os.path.join(directory, COMPLETE)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{source}: {directory} is missing")
     if not os.path.isfile(marker):
         raise CheckpointError(
-            f"{source}: {checkpoint} is incomplete (no {COMPLETE} marker: its save did not finish)"
+            f"{source}: {directory} is incomplete (no {COMPLETE} marker: its save did not finish)"
         )
     try:
         with open(marker) as f:
@@ -281,7 +281,7 @@ def check_checkpoint(
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{source}: {marker} is damaged ({e})") from None
     for name, entry in sorted(files.items()):
-        path = os.path.join(checkpoint, name)
+        path = os.path.join(directory, name)
         if not os.path.isfile(path):
             raise CheckpointError(f"{source}: {path} is missing (recorded in {COMPLETE})")
         size = os.path.getsize(path)
@@ -293,7 +293,7 @@ def check_checkpoint(
     for name in sorted(files) if verify is None else sorted(verify):
         if name not in files:
             raise CheckpointError(f"{source}: {name} is not recorded in {marker}")
-        path, expected = os.path.join(checkpoint, name), files[name][algorithm]
+        path, expected = os.path.join(directory, name), files[name][algorithm]
         if cache is not None and cache.matches(path, expected):
             continue
         if file_digest(path, algorithm)[1] != expected:

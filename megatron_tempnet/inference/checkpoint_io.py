@@ -35,6 +35,7 @@ from megatron_tempnet.checkpoint.shard_reading import load_full, saved_tensors
 from megatron_tempnet.checkpoint.shard_storage import write_full_tensors
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.models.gpt.state_names import WORD_EMBEDDINGS, lm_names
+from megatron_tempnet.tempnet.config import saved_loss_settings
 from megatron_tempnet.utils.progress import progress
 
 TEMPNET_PREFIX = "tempnet."
@@ -108,7 +109,7 @@ def export_reader_tempnet(reader: CheckpointReader, directory: str) -> dict:
     with the run's loss settings); returns its config."""
     from megatron_tempnet.tempnet.export import export_tempnet
 
-    settings = reader.config.get("loss", {})
+    settings = saved_loss_settings(reader.config.get("loss", {}))
     keys = ("loss", "rho", "tau_min", "tau_max", "stop_grad")
     trained_with = {k: settings.get(k) for k in keys}
     trained_with["checkpoint"] = reader.path

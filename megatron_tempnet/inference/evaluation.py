@@ -6,8 +6,8 @@ For every predicted token (target ``y`` after a context):
     T-LLM CE = -log softmax(L / tau)_y                  (the paper's T-LLM perplexity)
 
 with tau from TempNet, a fixed value, or each token's minimiser of the DRO loss over tau
-(``NewtonTau``: the paper's Baseline 2, what TempNet approximates; with a TempNet loaded its tau
-is recorded beside it). All come from the fused output stage
+(``losses.tau_source``; ``NewtonTau``: the paper's Baseline 2, what TempNet approximates; with
+a TempNet loaded its tau is recorded beside it). All come from the fused output stage
 (``losses.output_stage``: the final hidden states and the output weight, chunk by chunk, never the
 whole ``[tokens, V_pad/tp]`` logits), or with ``fused_output_stage=False`` from
 ``temperature_scaled_cross_entropy`` on each TP rank's whole ``[b, s, V_pad/tp]`` slice.
@@ -29,18 +29,8 @@ from megatron_tempnet.distributed.groups import (
 from megatron_tempnet.inference.model import InferenceError, InferenceModel
 from megatron_tempnet.losses import fused_output_stage, temperature_scaled_cross_entropy
 from megatron_tempnet.losses.calibration import calibration_terms, expected_calibration_error
-from megatron_tempnet.losses.newton import optimal_tau
+from megatron_tempnet.losses.tau_source import FixedTau, NewtonTau, TauSource, TempNetTau
 from megatron_tempnet.tempnet.layers import upper_bound_for_mean
-
-
-@dataclass(frozen=True)
-class NewtonTau:
-    """Each token's exact minimiser of eq. (2) over ``tau_min <= tau <= tau_max``
-    (``losses.newton.optimal_tau``, vocabulary-parallel)."""
-
-    rho: float
-    tau_min: float
-    tau_max: float | None = None
 
 
 @dataclass
@@ -97,8 +87,7 @@ def score_sequences(
     model: InferenceModel,
     sequences: list[list[int]],
     *,
-    fixed_tau: float | None = None,
-    newton: NewtonTau | None = None,
+    tau: TauSource | None = None,
     grid: tuple[float, ...] = (),
     fused_output_stage: bool = True,
     chunk_size: int | None = None,
@@ -111,8 +100,9 @@ def score_sequences(
     first), each predicted from the tokens before it in its sequence; ``on_tokens(n)``: ``n``
     more tokens are scored (progress).
 
-    tau: ``fixed_tau``, else each token's DRO optimum (``newton``; TempNet's tau and T-LLM CE
-    are recorded beside it when a TempNet is loaded), else TempNet's. ``grid``: the T-LLM CE at
+    ``tau``: where tau comes from (``losses.tau_source``; None: the loaded TempNet); with
+    ``NewtonTau`` (each token's DRO optimum) TempNet's tau and T-LLM CE are recorded beside it
+    when a TempNet is loaded. ``grid``: the T-LLM CE at
     each of these fixed temperatures too, from the same forward pass. ``calibration``: the
     top-1 probability and ``sum_k p_k^2`` at every tau scored, and at tau = 1 (from the whole
     logits: the unfused path, whatever ``fused_output_stage`` says).
@@ -128,7 +118,7 @@ def score_sequences(
         if not 1 <= start <= len(sequence):
             raise InferenceError(f"sequence {i}: nothing to score from token {start} of "
                                  f"{len(sequence)}")  # fmt: skip
-    source = _tau_source(model, fixed_tau, newton)
+    sources = _tau_sources(model, tau)
     order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
     results: list[TokenScores | None] = [None] * len(sequences)
     device = next(model.lm.parameters()).device
@@ -143,9 +133,9 @@ def score_sequences(
         padded, scored = padded.to(device), scored.to(device)
         inputs, targets = padded[:, :-1], padded[:, 1:]
         if calibration or not fused_output_stage:
-            values = _unfused_scores(model, inputs, targets, scored, source, grid, calibration)
+            values = _unfused_scores(model, inputs, targets, scored, sources, grid, calibration)
         else:
-            values = _fused_scores(model, inputs, targets, scored, source, grid, chunk_size)
+            values = _fused_scores(model, inputs, targets, scored, sources, grid, chunk_size)
         values["greedy"] = values["greedy"] == targets[scored]
         values["targets"] = targets[scored]
         columns = {k: v.double().tolist() if v.is_floating_point() else v.tolist()
@@ -200,49 +190,42 @@ def fit_tau_max_eval(
     }
 
 
-def _tau_source(model: InferenceModel, fixed_tau, newton: NewtonTau | None) -> dict:
-    """``fused_output_stage``'s tau arguments, and ``also_tempnet`` (score TempNet's too)."""
-    if fixed_tau is not None:
-        return {"tau": float(fixed_tau)}
-    if newton is not None:
-        return {
-            "newton_tau_min": newton.tau_min,
-            "newton_tau_max": newton.tau_max,
-            "rho": newton.rho,
-            "also_tempnet": model.tempnet is not None,
-        }
-    if model.tempnet is None:
-        raise InferenceError("no TempNet loaded: give a fixed tau or the per-token optimum")
-    return {"tempnet": model.tempnet}
+def _tau_sources(model: InferenceModel, tau: TauSource | None) -> tuple:
+    """The source scored and the one recorded beside it (TempNet's beside Newton's, or None)."""
+    tempnet = None if model.tempnet is None else TempNetTau(model.tempnet)
+    if tau is None:
+        if tempnet is None:
+            raise InferenceError("no TempNet loaded: give a fixed tau or the per-token optimum")
+        return tempnet, None
+    return tau, tempnet if isinstance(tau, NewtonTau) else None
 
 
-def _fused_scores(model: InferenceModel, inputs, targets, scored, source: dict, grid, chunk_size):
+def _fused_scores(model: InferenceModel, inputs, targets, scored, sources, grid, chunk_size):
     """The ``scored`` targets' values (``[n]`` each, sequence-major; ``grid_tllm_ce`` ``[n,
     len(grid)]``) from the fused output stage: the LM's final hidden states once, the output
     layer once per temperature source."""
     final = model.final_hidden(inputs)  # [s, b, h]
     hidden = final.hidden.transpose(0, 1)[scored]  # [n, h]
-    source = dict(source)
-    also_tempnet = source.pop("also_tempnet", False)
     rows = targets[scored]
+    source, beside = sources
 
-    def stage(**tau_source):
+    def stage(tau: TauSource):
         return fused_output_stage(hidden, final.weight, rows, loss="ce", eval_terms=True,
                                   vocab_size=model.vocab_size, tp_group=model.tp_group,
-                                  chunk_size=chunk_size, **tau_source)  # fmt: skip
+                                  chunk_size=chunk_size, tau=tau)  # fmt: skip
 
-    out = stage(**source)
+    out = stage(source)
     values = {"ce": out.ce, "tllm_ce": out.ts_ce, "tau": out.tau, "greedy": out.argmax}
-    if also_tempnet:
-        beside = stage(tempnet=model.tempnet)
-        values.update(tempnet_tau=beside.tau, tempnet_tllm_ce=beside.ts_ce)
+    if beside is not None:
+        other = stage(beside)
+        values.update(tempnet_tau=other.tau, tempnet_tllm_ce=other.ts_ce)
     if grid:
-        values["grid_tllm_ce"] = torch.stack([stage(tau=float(t)).ts_ce for t in grid], dim=1)
+        values["grid_tllm_ce"] = torch.stack([stage(FixedTau(t)).ts_ce for t in grid], dim=1)
     return values
 
 
 def _unfused_scores(
-    model: InferenceModel, inputs, targets, scored, source: dict, grid, calibration: bool
+    model: InferenceModel, inputs, targets, scored, sources, grid, calibration: bool
 ):
     """As ``_fused_scores``, from each window's whole logits; with ``calibration`` the
     calibration terms at each tau too."""
@@ -252,21 +235,16 @@ def _unfused_scores(
     logits = model.logits(inputs)[scored]  # [n, V_pad/tp]
     rows = targets[scored]
     common = {"vocab_size": model.vocab_size, "tp_group": model.tp_group}
+    source, beside = sources
 
     def tllm(tau):
         return temperature_scaled_cross_entropy(logits, rows, tau, **common)
 
     values = {}
-    if "tau" in source:
-        tau = torch.full(rows.shape, source["tau"], device=logits.device)
-    elif "newton_tau_min" in source:
-        tau = optimal_tau(logits, rho=source["rho"], tau_min=source["newton_tau_min"],
-                          tau_max=source["newton_tau_max"], **common)  # fmt: skip
-        if source["also_tempnet"]:
-            values["tempnet_tau"] = model.tempnet(logits)
-            values["tempnet_tllm_ce"] = tllm(values["tempnet_tau"])
-    else:
-        tau = model.tempnet(logits)
+    tau = source.tau_of(logits, **common)
+    if beside is not None:
+        values["tempnet_tau"] = beside.tau_of(logits, **common)
+        values["tempnet_tllm_ce"] = tllm(values["tempnet_tau"])
     values.update(ce=tllm(1.0), tllm_ce=tllm(tau), tau=tau)
     values["greedy"] = parallel_argmax(logits[:, : part.n_true], part.start, tp)  # [n]
     if grid:

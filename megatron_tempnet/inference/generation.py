@@ -25,6 +25,7 @@ import torch
 from megatron_tempnet.distributed.groups import resolve_tp_group
 from megatron_tempnet.inference.model import InferenceError, InferenceModel
 from megatron_tempnet.inference.token_sampling import SamplingConfig, TokenChooser
+from megatron_tempnet.losses.tau_source import FixedTau, TempNetTau
 
 
 @dataclass
@@ -73,7 +74,7 @@ def generate(
     *,
     max_new_tokens: int,
     sampling: SamplingConfig,
-    fixed_tau: float | None = None,
+    tau: FixedTau | TempNetTau | None = None,
     eod: int | None = None,
     micro_batch_size: int = 8,
     kv_cache: bool = True,
@@ -82,14 +83,16 @@ def generate(
 ) -> list[Generated]:
     """Continue every prompt (token ids) by up to ``max_new_tokens`` tokens.
 
-    tau comes from ``model.tempnet`` unless ``fixed_tau`` is given. A sequence stops early at
-    ``eod`` (which is kept in its output). ``on_step(n)`` is called when every sequence of a
-    batch has its ``n``-th token (benchmarks time the steps with it). ``on_tokens(n)`` reports
-    progress through the ``len(prompts) * max_new_tokens`` token budget: ``n`` more positions
-    are generated, or left out because their sequences stopped.
+    ``tau``: where tau comes from (``losses.tau_source``; None: ``model.tempnet``). A
+    sequence stops early at ``eod`` (which is kept in its output). ``on_step(n)`` is called when
+    every sequence of a batch has its ``n``-th token (benchmarks time the steps with it).
+    ``on_tokens(n)`` reports progress through the ``len(prompts) * max_new_tokens`` token
+    budget: ``n`` more positions are generated, or left out because their sequences stopped.
     """
-    if fixed_tau is None and model.tempnet is None:
-        raise GenerationError("the checkpoint has no TempNet: give a fixed tau or --tempnet")
+    if tau is None:
+        if model.tempnet is None:
+            raise GenerationError("the checkpoint has no TempNet: give a fixed tau or --tempnet")
+        tau = TempNetTau(model.tempnet)
     if micro_batch_size < 1:
         raise GenerationError(f"--micro-batch-size ({micro_batch_size}) must be >= 1")
     sampling.validate()
@@ -107,7 +110,7 @@ def generate(
             batch,
             chooser,
             max_new_tokens=max_new_tokens,
-            fixed_tau=fixed_tau,
+            tau=tau,
             eod=eod,
             kv_cache=kv_cache,
             on_step=on_step,
@@ -126,7 +129,7 @@ def _generate_batch(
     chooser: TokenChooser,
     *,
     max_new_tokens: int,
-    fixed_tau: float | None,
+    tau: FixedTau | TempNetTau,
     eod: int | None,
     kv_cache: bool,
     on_step,
@@ -149,10 +152,11 @@ def _generate_batch(
         logits = model.last_logits(tokens[:, :width], lengths)
     outputs = [Generated([], [], False) for _ in prompts]
     active = [True] * b
+    common = {"vocab_size": model.vocab_size, "tp_group": model.tp_group}
     for step in range(max_new_tokens):
-        tau = _tau(model, logits, fixed_tau)  # [b]
-        token = chooser.choose(logits, tau, streams)  # [b], the same on every rank
-        chosen, taus = token.tolist(), tau.tolist()
+        taus = tau.tau_of(logits, **common)  # [b]
+        token = chooser.choose(logits, taus, streams)  # [b], the same on every rank
+        chosen, taus = token.tolist(), taus.tolist()
         for i in range(b):
             if active[i]:
                 outputs[i].token_ids.append(chosen[i])
@@ -179,13 +183,6 @@ def _generate_batch(
         else:
             logits = model.last_logits(tokens[:, : width + step + 1], position + 1)
     return outputs
-
-
-@torch.no_grad()
-def _tau(model: InferenceModel, logits: torch.Tensor, fixed_tau: float | None) -> torch.Tensor:
-    if fixed_tau is not None:
-        return torch.full(logits.shape[:1], float(fixed_tau), device=logits.device)
-    return model.tempnet(logits)
 
 
 def token_texts(detokenize, token_ids: list[int], prompt: list[int] | None = None) -> list[str]:

@@ -46,6 +46,7 @@ from megatron_tempnet.inference.evaluation import merge, windows
 from megatron_tempnet.inference.model import InferenceError, init_inference
 from megatron_tempnet.inference.service import Service, share, world
 from megatron_tempnet.inference.token_sampling import SamplingConfig
+from megatron_tempnet.losses.tau_source import FixedTau
 from megatron_tempnet.utils.cli import run_tool
 
 AUTO_BATCH_SIZE = 16
@@ -142,7 +143,7 @@ class MegatronTempNetLM(TemplateLM):
                 "score",
                 sequences=sequences[part],
                 first=None if first is None else first[part],
-                fixed_tau=self.fixed_tau,
+                tau=None if self.fixed_tau is None else FixedTau(self.fixed_tau),
                 micro_batch_size=self.batch_size,
             )
             progress.update(len(sequences[part]))
@@ -199,7 +200,7 @@ class MegatronTempNetLM(TemplateLM):
                         prompts=[prepared[i][0] for i in batch],
                         max_new_tokens=new,
                         sampling=SamplingConfig(greedy=True),
-                        fixed_tau=self.fixed_tau,
+                        tau=None if self.fixed_tau is None else FixedTau(self.fixed_tau),
                         eod=self.eot_token_id,
                         micro_batch_size=self.batch_size,
                     )

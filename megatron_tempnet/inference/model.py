@@ -22,6 +22,7 @@ from megatron_tempnet.distributed.sharding import shard
 from megatron_tempnet.inference.checkpoint_io import CheckpointReader, lm_names, open_reader
 from megatron_tempnet.models.gpt.config import ModelConfig
 from megatron_tempnet.tempnet import TempNetLM
+from megatron_tempnet.tempnet.config import saved_loss_settings
 from megatron_tempnet.utils.cli import UserError
 
 
@@ -205,7 +206,7 @@ def _tempnet(
         )
     elif reader.has_tempnet():
         state = reader.tempnet_state()
-        settings = reader.config.get("loss", {})
+        settings = saved_loss_settings(reader.config.get("loss", {}))
         tempnet = TempNetLM(
             reader.model.vocab_size,
             hidden_size=state["weight1"].shape[0],

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from megatron_tempnet.distributed.groups import TPGroup, VocabPartition, parallel_argmax
 from megatron_tempnet.losses import dro_math
-from megatron_tempnet.losses.newton import optimal_tau
 from megatron_tempnet.losses.output_rows import Rows, WholeRows
+from megatron_tempnet.losses.tau_source import TauSource, TempNetTau
 
 _NORM_EPS = 1e-12  # TempNet's input norm floor, as in tempnet.parallel_input
 
@@ -33,9 +33,7 @@ class Plan:
     vocab_size: int
     tp: TPGroup
     chunk: int
-    fixed_tau: float | None
-    newton_tau_min: float | None
-    tempnet: torch.nn.Module | None
+    source: TauSource
     tau_grad: bool
     """TempNet learns: tau's gradient is needed (training with TempNet)."""
     eval_terms: bool
@@ -43,8 +41,6 @@ class Plan:
     """Compute the gradients in the forward pass, while each chunk's logits are at hand."""
     sequence_parallel: bool = False
     """The hidden states are this TP rank's sequence shard (``output_rows.ShardedRows``)."""
-    newton_tau_max: float | None = None
-    """Newton's upper bound (None: none)."""
     upstream_mask: torch.Tensor | None = None
     """``[T]`` 0/1 in the tokens' order, the one tensor of a plan: the loss's upstream gradient
     is ``c * upstream_mask`` for one scalar ``c`` (``output_stage``'s wait-free backward)."""
@@ -52,6 +48,11 @@ class Plan:
     @property
     def tau_in_loss(self) -> bool:
         return self.loss != "ce"
+
+    @property
+    def tempnet(self) -> torch.nn.Module | None:
+        """The ``TempNetLM`` tau comes from, or None."""
+        return self.source.tempnet if isinstance(self.source, TempNetTau) else None
 
 
 @dataclass
@@ -264,17 +265,9 @@ def forward_chunk(plan: Plan, chunk: Chunk, state: State, graph: list) -> None:
         tau = _tempnet_tau(plan, bundle[:, :-2] / norm[:, None], graph)
         target_logit = bundle[:, -1]
         state.norm[chunk.rows] = norm
-    elif plan.newton_tau_min is not None:
-        tau = optimal_tau(
-            chunk.logits,
-            rho=plan.rho,
-            tau_min=plan.newton_tau_min,
-            tau_max=plan.newton_tau_max,
-            vocab_size=plan.vocab_size,
-            tp_group=tp.group,
-        ).to(true_logits.dtype)
     else:
-        tau = torch.full_like(row_max, plan.fixed_tau)
+        tau = plan.source.tau_of(chunk.logits, vocab_size=plan.vocab_size, tp_group=tp.group)
+        tau = tau.to(true_logits.dtype)
     _reduce_sums(plan, true_logits, row_max, tau, target_logit, state, chunk.rows)
     if state.argmax is not None:
         state.argmax[chunk.rows] = parallel_argmax(true_logits, vocab.start, tp)

@@ -71,6 +71,7 @@ from megatron_tempnet.losses.output_chunks import (
     w1_through_weight,
 )
 from megatron_tempnet.losses.output_rows import Rows, WholeRows, token_rows
+from megatron_tempnet.losses.tau_source import TauSource, TempNetTau
 
 LOSSES = ("ce", "dro", "ts-ce")
 CHUNK_ELEMENTS = 1 << 24
@@ -282,15 +283,11 @@ def fused_output_stage(
     *,
     loss: str,
     vocab_size: int,
+    tau: TauSource,
     rho: float = 0.0,
-    tau: float | None = None,
-    tempnet: torch.nn.Module | None = None,
-    newton_tau_min: float | None = None,
-    newton_tau_max: float | None = None,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
     eval_terms: bool = False,
-    tempnet_params: tuple[torch.Tensor, ...] | None = None,
     eager_gradients: bool = True,
     sequence_parallel: bool = False,
     upstream_mask: torch.Tensor | None = None,
@@ -306,15 +303,13 @@ def fused_output_stage(
             token's, ``[s, ...]``).
         loss: ``dro`` (eq. 2), ``ts-ce`` (cross-entropy of ``L / tau``) or ``ce``.
         vocab_size: the true vocabulary ``|C|``; padded columns are excluded everywhere.
-        rho: eq. (2)'s constant (``dro``; and Newton's).
-        tau / tempnet / newton_tau_min: where tau comes from, exactly one: a constant, a
-            ``TempNetLM`` (``stop_grad`` as it is set), or each token's minimiser of eq. (2)
-            over ``tau >= newton_tau_min`` (and ``<= newton_tau_max`` if given; no gradient).
+        tau: where tau comes from (``losses.tau_source``): a ``FixedTau``, a ``TempNetTau``
+            (``stop_grad`` as it is set; its ``params`` receive the gradients) or a
+            ``NewtonTau`` (no gradient).
+        rho: eq. (2)'s radius (``dro``).
         tp_group: the tensor-parallel group the vocabulary is split over (None: no TP).
         chunk_size: tokens per chunk (default ``default_chunk_size``).
         eval_terms: also return ``ts_ce`` and ``argmax`` (evaluation, without gradients).
-        tempnet_params: stand-ins for ``[tempnet.weight1, *tempnet.projection_parameters()]``
-            that receive their gradients (views made by a pipeline stage); default: those.
         eager_gradients: with gradients to compute, compute them in the forward pass for the
             gradient most tokens' loss receives (module docstring); False: recompute the
             logits in the backward pass.
@@ -329,56 +324,47 @@ def fused_output_stage(
         TP ranks (every token's, also with ``sequence_parallel``). Gradients reach ``hidden``,
         ``weight`` and TempNet's parameters.
     """
-    sources = [tau is not None, tempnet is not None, newton_tau_min is not None]
-    if sum(sources) != 1:
-        raise ValueError("give exactly one of tau, tempnet and newton_tau_min")
-    if loss not in LOSSES:
-        raise ValueError(f"loss {loss!r} is not one of {', '.join(LOSSES)}")
-    if rho < 0:
-        raise ValueError(f"rho ({rho}) must be >= 0")
-    if tau is not None and not tau > 0:
-        raise ValueError(f"tau ({tau}) must be > 0")
+    _check_arguments(loss, tau, rho)
     tp = resolve_tp_group(tp_group)
     _check_shapes(hidden, weight, target, vocab_size, tp, sequence_parallel)
     chunk = chunk_size or default_chunk_size(weight.shape[0])
     if chunk < 1:
         raise ValueError(f"chunk_size ({chunk_size}) must be >= 1 token")
-    tau_grad = (
-        tempnet is not None
-        and torch.is_grad_enabled()
-        and loss != "ce"
-        and any(p.requires_grad for p in tempnet.parameters())
-    )
+    w1, params = None, []
+    if isinstance(tau, TempNetTau):
+        w1, *params = tau.parameters()
     plan = Plan(
         loss=loss,
         rho=float(rho),
         vocab_size=vocab_size,
         tp=tp,
         chunk=chunk,
-        fixed_tau=tau,
-        newton_tau_min=newton_tau_min,
-        tempnet=tempnet,
-        tau_grad=tau_grad,
+        source=tau,
+        tau_grad=torch.is_grad_enabled() and loss != "ce" and _learns(tau),
         eval_terms=eval_terms,
         eager=eager_gradients,
         sequence_parallel=sequence_parallel and tp.size > 1,
-        newton_tau_max=newton_tau_max,
         upstream_mask=_mask_for(upstream_mask, target, eager_gradients),
     )
     lead = target.shape
-    w1, params = None, []
-    if tempnet is not None:
-        w1, *params = tempnet_params or [tempnet.weight1, *tempnet.projection_parameters()]
     out = _FusedOutputStage.apply(
-        plan,
-        target.reshape(-1).long(),
-        hidden.reshape(-1, hidden.shape[-1]),
-        weight,
-        w1,
-        *params,
+        plan, target.reshape(-1).long(), hidden.reshape(-1, hidden.shape[-1]), weight, w1, *params
     )
-    values = [t.view(lead) for t in out]
-    return StageOutputs(*values)
+    return StageOutputs(*(t.view(lead) for t in out))
+
+
+def _check_arguments(loss: str, tau: TauSource, rho: float) -> None:
+    if not isinstance(tau, TauSource):
+        raise TypeError(f"tau must be a TauSource (FixedTau, NewtonTau, TempNetTau), not {tau!r}")
+    if loss not in LOSSES:
+        raise ValueError(f"loss {loss!r} is not one of {', '.join(LOSSES)}")
+    if rho < 0:
+        raise ValueError(f"rho ({rho}) must be >= 0")
+
+
+def _learns(tau: TauSource) -> bool:
+    """TempNet's parameters want gradients."""
+    return isinstance(tau, TempNetTau) and any(p.requires_grad for p in tau.tempnet.parameters())
 
 
 def _mask_for(mask: torch.Tensor | None, target: torch.Tensor, eager: bool) -> torch.Tensor | None:

@@ -1,16 +1,16 @@
-"""TempNet's settings in one place: its shape, its temperature range, the robust loss's radius and
-how it is optimised. Every field is a flag of the training entry points (``--tempnet-*``,
-``--no-tempnet-stop-grad``; CLIP derives its width and always stops the gradient).
+"""TempNet's settings in one place: its shape, its temperature range and how it is optimised.
+Every field is a flag of the training entry points (``--tempnet-*``, ``--no-tempnet-stop-grad``;
+CLIP derives its width and always stops the gradient).
 
-Each family's loss config extends it (``models.gpt.objective.LossConfig``,
-``models.clip.config.CLIPLossConfig``), so a run's saved config keeps them in its ``loss``
-section. The defaults are the paper's for language models (Table 5: d1 = d2 = 256, tau0 = 0.001,
-tau_max = 2.0, rho = 10); CLIP's loss config sets the CLIP ones.
+Each family's loss config holds one (``LossConfig.tempnet``, ``CLIPLossConfig.tempnet``), beside
+the loss's own settings such as the KL-DRO radius rho, so a run's saved config keeps them in the
+``tempnet`` entry of its ``loss`` section (``saved_loss_settings`` reads both layouts). The
+defaults are the paper's for language models (Table 5: d1 = d2 = 256, tau0 = 0.001, tau_max =
+2.0); CLIP's TempNet config sets the CLIP ones.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from megatron_tempnet.utils.flags import option
@@ -26,9 +26,6 @@ class TempNetConfig:
     """tau0, the smallest temperature: TempNet's lower bound (and that of --tau-source newton)."""
     tau_max: float = option(2.0, name="--tempnet-tau-max")
     """TempNet's upper bound in training."""
-    rho: float = option(10.0, name="--tempnet-rho")
-    """rho of eq. 2, the KL-DRO radius; it must stay below log|C| for tau to have an interior
-    optimum (the paper's 10 suits 32k-50k vocabularies)."""
     stop_grad: bool = option(True, name="--no-tempnet-stop-grad")
     """The flag lets tau's gradient flow into the LM through TempNet's input (the paper's
     ablation); by default TempNet reads the detached logits."""
@@ -56,10 +53,9 @@ class TempNetConfig:
             )
         return None
 
-    def rho_problem(self) -> str | None:
-        """The message for a radius that cannot work, or None."""
-        return f"--tempnet-rho ({self.rho}) must be >= 0" if self.rho < 0 else None
 
-
-TEMPNET_FIELDS = tuple(f.name for f in dataclasses.fields(TempNetConfig))
-"""The fields a loss config inherits from ``TempNetConfig`` (its flags form the TempNet group)."""
+def saved_loss_settings(section: dict) -> dict:
+    """A saved run config's ``loss`` section as one flat mapping: the loss's settings and
+    TempNet's (kept in its ``tempnet`` entry; runs saved by earlier versions have them flat)."""
+    flat = {k: v for k, v in section.items() if k != "tempnet"}
+    return {**flat, **(section.get("tempnet") or {})}

@@ -70,8 +70,22 @@ REFUSED_PREFIXES: dict[str, str] = {
 """Flag families of features that are not built."""
 
 _DECOUPLED = "a learning rate for an LM's input embedding and output layer (pretrain_gpt.py)"
-CLIP_REFUSED: dict[str, str] = {"--decoupled-lr": _DECOUPLED, "--decoupled-min-lr": _DECOUPLED}
-"""Megatron-LM's flags that pretrain_clip.py refuses besides ``REFUSED``: a language model's."""
+_NO_FUSION = "CLIP's MLPs have neither SwiGLU nor the tanh GELU this fusion computes"
+CLIP_REFUSED: dict[str, str] = {
+    "--decoupled-lr": _DECOUPLED,
+    "--decoupled-min-lr": _DECOUPLED,
+    "--sequence-parallel": "built for pretrain_gpt.py only: CLIP's towers keep whole sequences "
+    "on every tensor-parallel rank (the ViT's 1 + patches tokens, the pooled class and "
+    "end-of-text tokens)",
+    "--rampup-batch-size": "not built for CLIP: its epochs are cut into whole global batches (no "
+    "pair twice in a batch), which a growing batch would break",
+    "--eval-iters": "pretrain_clip.py evaluates on the whole --valid-data every --eval-interval "
+    "iterations",
+    "--no-bias-swiglu-fusion": _NO_FUSION,
+    "--no-bias-gelu-fusion": _NO_FUSION,
+}
+"""Megatron-LM's flags that pretrain_clip.py refuses besides ``REFUSED``: a language model's,
+or a feature not built for CLIP."""
 
 
 @dataclass

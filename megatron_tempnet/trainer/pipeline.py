@@ -87,6 +87,21 @@ class NormRecorder:
         self.norm = clip_grad_norm_(self._params, self.max_norm)
 
 
+def train_through_schedule(engine, micro_batches, stats, *, dp_group, pp_group, norm):
+    """One iteration of DeepSpeed's pipeline schedule over ``micro_batches``, then the step's
+    statistics: ``stats`` (the objective's, filled by the last stage during the schedule)
+    reduced over the data-parallel ranks and the stages, with the tau sample shared from the
+    last stage. ``norm``: the ``NormRecorder`` that clipped, or None (DeepSpeed's norm)."""
+    engine.train_batch(micro_batches)
+    grad_norm = norm.norm if norm is not None else engine.get_global_grad_norm()
+    reduced = stats.reduce(
+        dp_group, pp_group, grad_norm=grad_norm, applied=engine.was_step_applied()
+    )
+    sample = reduced.tau_sample
+    reduced.tau_sample = lambda: share_from_last_stage(sample(), pp_group)
+    return reduced
+
+
 def share_from_last_stage(sample: torch.Tensor, pp_group) -> torch.Tensor:
     """The tau sample of the one stage that has it, on every stage of ``pp_group``."""
     count = torch.tensor([sample.numel()], dtype=torch.float64, device=compute_device())

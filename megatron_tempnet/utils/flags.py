@@ -62,6 +62,12 @@ def derived(default: Any = None) -> Any:
     return dataclasses.field(default=default, metadata={_FLAG: None})
 
 
+def nested(factory: type) -> Any:
+    """A config field holding another config, whose flags its own group adds
+    (``LossConfig.tempnet``)."""
+    return dataclasses.field(default_factory=factory, metadata={_FLAG: None})
+
+
 def flag_name(f: dataclasses.Field) -> str | None:
     """``--flag-name`` of a field, or None for a derived one."""
     name = f.metadata.get(_FLAG, "")

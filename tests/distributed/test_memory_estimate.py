@@ -254,14 +254,14 @@ def _measure_clip(loss: str, mbs: int, image_size: int, layers: int, hidden: int
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from megatron_tempnet.compat import apply_cpu_support
-    from megatron_tempnet.models.clip.config import CLIPLossConfig
+    from megatron_tempnet.models.clip.config import CLIPLossConfig, CLIPTempNetConfig
     from megatron_tempnet.models.clip.objective import CLIPTrainModule
     from megatron_tempnet.models.clip.towers import CLIPModel
 
     apply_cpu_support()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     cfg = _clip_config(image_size, layers, hidden)
-    objective = CLIPLossConfig(clip_loss=loss, tempnet_proj_size=32)
+    objective = CLIPLossConfig(clip_loss=loss, tempnet=CLIPTempNetConfig(tempnet_proj_size=32))
     module = CLIPTrainModule(CLIPModel(cfg, seed=1), objective)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_tempnet.distributed.groups import parallel_argmax
-from megatron_tempnet.losses import fused_output_stage
+from megatron_tempnet.losses import FixedTau, fused_output_stage
 from megatron_tempnet.models.gpt import objective as gpt_objective
 from megatron_tempnet.models.gpt.layers import FinalHidden
 from megatron_tempnet.models.gpt.objective import (
@@ -31,7 +31,7 @@ from megatron_tempnet.models.gpt.objective import (
     token_losses_from_logits,
     token_losses_fused,
 )
-from megatron_tempnet.tempnet import TempNetLM
+from megatron_tempnet.tempnet import TempNetConfig, TempNetLM
 from tests.helpers.distributed import run_distributed
 
 PADDED, HIDDEN, BATCH, SEQ, CHUNK = 208, 16, 3, 6, 7  # 18 tokens in chunks of 7, 7 and 4
@@ -136,8 +136,7 @@ def _one_path(fused: bool, scale: str, objective: tuple, *, train=True, upstream
         tau_source=source,
         fixed_tau=TAU_MIN if extreme else 0.7,
         rho=3.0,
-        tau_min=TAU_MIN if extreme else 0.05,
-        stop_grad=stop_grad,
+        tempnet=TempNetConfig(tau_min=TAU_MIN if extreme else 0.05, stop_grad=stop_grad),
         output_stage_chunk_size=CHUNK,
     )
     tempnet = _tempnet(vocab, dtype, extreme, stop_grad) if source == "tempnet" else None
@@ -197,7 +196,7 @@ def _all_cases():
             labels.t(),
             loss="ce",
             vocab_size=203,
-            tau=1.0,
+            tau=FixedTau(1.0),
             tp_group=dist.group.WORLD,
             chunk_size=CHUNK,
             eval_terms=True,
@@ -277,12 +276,13 @@ def test_evaluation_terms_and_greedy_tokens(outcomes):
         assert torch.equal(greedy, expected)
 
 
+_DRO_AT_0_7 = dict(loss="dro", vocab_size=203, tau=FixedTau(0.7))
+
+
 def test_an_upstream_gradient_not_a_multiple_of_the_mask_is_refused():
     hidden, weight, labels, mask = _inputs("float32")
     hidden.requires_grad_()
-    out = fused_output_stage(
-        hidden, weight, labels.t(), loss="dro", vocab_size=203, tau=0.7, upstream_mask=mask.t()
-    )
+    out = fused_output_stage(hidden, weight, labels.t(), **_DRO_AT_0_7, upstream_mask=mask.t())
     with pytest.raises(RuntimeError, match="not a multiple of upstream_mask"):
         (out.loss * mask.t() * torch.linspace(1, 2, SEQ)[:, None]).sum().backward()
 
@@ -290,7 +290,7 @@ def test_an_upstream_gradient_not_a_multiple_of_the_mask_is_refused():
 def test_a_second_backward_pass_is_refused():
     hidden, weight, labels, _ = _inputs("float32")
     hidden.requires_grad_()
-    out = fused_output_stage(hidden, weight, labels.t(), loss="dro", vocab_size=203, tau=0.7)
+    out = fused_output_stage(hidden, weight, labels.t(), **_DRO_AT_0_7)
     out.loss.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward pass ran twice"):
         out.loss.sum().backward()

@@ -123,14 +123,14 @@ def _run_config(case: dict, world: int):
         GPTTrainingConfig,
         validate_gpt,
     )
+    from megatron_tempnet.tempnet import TempNetConfig
     from megatron_tempnet.trainer.config import ParallelConfig
 
     config = GPTRunConfig(
         model=_model(case["arch"]),
         loss=LossConfig(
             rho=3.0,
-            tempnet_hidden_size=16,
-            tempnet_proj_size=8,
+            tempnet=TempNetConfig(tempnet_hidden_size=16, tempnet_proj_size=8),
             fused_output_stage=case["fused"],
             output_stage_chunk_size=CHUNK,
         ),
@@ -377,34 +377,6 @@ def test_the_flag_is_off_at_tp1_and_needs_a_divisible_sequence(caplog):
         config = _run_config(case, world=2)
         config.model.seq_length = config.data.seq_length = 15
         validate_gpt(config, 2)
-
-
-def test_clip_refuses_the_flag():
-    from megatron_tempnet.models.clip.arguments import build_clip_parser, clip_config_from_args
-    from megatron_tempnet.models.clip.task import validate_clip
-    from megatron_tempnet.trainer.config import ConfigError
-
-    flags = [
-        "--train-data",
-        "unused",
-        "--tokenizer-type",
-        "GPT2BPETokenizer",
-        "--train-iters",
-        "1",
-        "--lr",
-        "1e-3",
-        "--micro-batch-size",
-        "2",
-        "--sequence-parallel",
-    ]
-    config = clip_config_from_args(build_clip_parser().parse_args(flags))
-    validate_clip(config, 1)  # TP 1: the flag is off, nothing to refuse
-    assert not config.parallel.sequence_parallel
-    config = clip_config_from_args(
-        build_clip_parser().parse_args([*flags, "--tensor-model-parallel-size", "2"])
-    )
-    with pytest.raises(ConfigError, match="--sequence-parallel is built for pretrain_gpt.py only"):
-        validate_clip(config, 2)
 
 
 def test_the_planner_counts_the_norm_regions_once_per_tp_rank():

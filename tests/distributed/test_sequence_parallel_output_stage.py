@@ -67,7 +67,7 @@ def _stage(sharded: bool, objective: tuple, upstream: str, dtype, train: bool = 
     from megatron_tempnet.models.gpt import objective as gpt_objective
     from megatron_tempnet.models.gpt.layers import FinalHidden
     from megatron_tempnet.models.gpt.objective import LossConfig, token_losses_fused
-    from megatron_tempnet.tempnet import TempNetLM
+    from megatron_tempnet.tempnet import TempNetConfig, TempNetLM
 
     rank, tp = dist.get_rank(), dist.get_world_size()
     loss, source, stop_grad = objective
@@ -86,8 +86,7 @@ def _stage(sharded: bool, objective: tuple, upstream: str, dtype, train: bool = 
         tau_source=source,
         fixed_tau=0.7,
         rho=3.0,
-        tau_min=0.05,
-        stop_grad=stop_grad,
+        tempnet=TempNetConfig(tau_min=0.05, stop_grad=stop_grad),
         output_stage_chunk_size=CHUNK,
     )
     tempnet = None

@@ -177,7 +177,7 @@ def test_llama70b_recipe_runs_under_slurm(reference, llama_lm):
     assert rows[-1]["tau_mean"] != rows[0]["tau_mean"]
     config = json.loads((run / "checkpoints" / "config.json").read_text())
     assert config["training"]["freeze_lm"] and config["training"]["bf16"]
-    assert config["loss"]["rho"] == 10 and config["loss"]["tau_min"] == 0.001
+    assert config["loss"]["rho"] == 10 and config["loss"]["tempnet"]["tau_min"] == 0.001
     assert config["parallel"]["tensor_model_parallel_size"] == 2
     # no TOKENIZER_MODEL given: the converted checkpoint's own tokenizer
     lm_tokenizer = os.path.join(llama_lm["LM_CHECKPOINT"], "tokenizer")
@@ -348,5 +348,5 @@ def test_every_other_script_runs_under_slurm(cluster, gpt2_data, llama_lm, tmp_p
     for name, (loss, source, stop_grad) in expected.items():
         config = json.loads((tmp_path / "abl" / name / "checkpoints" / "config.json").read_text())
         assert (config["loss"]["loss"], config["loss"]["tau_source"]) == (loss, source), name
-        assert config["loss"]["stop_grad"] == stop_grad, name
+        assert config["loss"]["tempnet"]["stop_grad"] == stop_grad, name
         assert len(_rows(tmp_path / "abl" / name / "metrics.jsonl")) == 2, name

@@ -23,6 +23,7 @@ import statistics
 from dataclasses import dataclass
 
 from megatron_tempnet.models.gpt.flops import flops_per_token
+from megatron_tempnet.tempnet.config import saved_loss_settings
 
 PEAK_BF16_TFLOPS = (
     ("H100 PCIe", 756.0),
@@ -175,7 +176,7 @@ def gpt_run(
     from megatron_tempnet.models.gpt.memory import Layout, estimate
 
     model = ModelConfig(**config["model"])
-    t, loss = config["training"], config["loss"]
+    t, loss = config["training"], saved_loss_settings(config["loss"])
     tempnet = loss["tau_source"] == "tempnet"
     batch = _batch_layout(config, world_size)
     gbs = batch["global_batch_size"]
@@ -234,7 +235,7 @@ def clip_run(
         **batch,
         clip_loss=config["loss"]["clip_loss"],
         num_samples=num_samples,
-        tempnet_proj_size=config["loss"]["tempnet_proj_size"],
+        tempnet_proj_size=config["loss"]["tempnet"]["tempnet_proj_size"],
     )
     planned = clip_memory.estimate(CLIPModelConfig(**config["model"]), layout)[0].total / MIB
     step_ms, rate = _timing(rows, warmup, gbs, "samples")

@@ -258,19 +258,19 @@ min-loss-scale
  attention-backend bf16 caption-key caption-noise
 clip-grad clip-loss context-length data-cache-path deepspeed-config deepspeed_config
 distributed-timeout-minutes embed-dim empty-unused-memory-level eval-batch-size eval-interval
-eval-iters exit-duration-in-mins exit-interval exit-on-missing-checkpoint finetune fp16
+exit-duration-in-mins exit-interval exit-on-missing-checkpoint finetune fp16
 global-batch-size grad-reduce-in-bf16 image-augment image-channels image-key image-mean image-size
 image-std init-method-std isogclr-grad-clip isogclr-tau-beta isogclr-tau-lr isogclr-tau-max
 isogclr-tau-min keep-last label-key load load-fallback log-interval log-throughput lr
 lr-decay-iters lr-decay-samples lr-decay-style lr-warmup-fraction lr-warmup-init lr-warmup-iters
 lr-warmup-samples lr-wsd-decay-iters lr-wsd-decay-samples lr-wsd-decay-style
 make-vocab-size-divisible-by manual-gc manual-gc-interval merge-file metrics-file micro-batch-size
-min-lr model no-bias-dropout-fusion no-bias-gelu-fusion no-bias-swiglu-fusion no-load-optim
+min-lr model no-bias-dropout-fusion no-load-optim
 no-load-rng no-manual-gc-eval num-workers ood-data overlap-grad-reduce overlap-param-gather
 patch-size pipeline-model-parallel-size pretrained-checkpoint profile profile-ranks
-profile-step-end profile-step-start quick-gelu rampup-batch-size recompute-activations
+profile-step-end profile-step-start quick-gelu recompute-activations
 recompute-granularity recompute-method recompute-num-layers save save-interval seed
-sequence-parallel skip-bad-samples sogclr-gamma tau-init tempnet-constant-lr tempnet-lr
+skip-bad-samples sogclr-gamma tau-init tempnet-constant-lr tempnet-lr
 tempnet-proj-size tempnet-rho
 tempnet-tau-max tempnet-tau-min tempnet-weight-decay tensor-model-parallel-size tensorboard-dir
 text-heads text-hidden-size text-layers tokenizer-model tokenizer-type train-data train-iters

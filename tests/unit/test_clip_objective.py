@@ -68,7 +68,7 @@ def test_robust_losses_over_five_epochs(loss):
     """Each step is an epoch (every sample is an anchor): iSogCLR's update as published (a
     moving average, beta 0.5, of the tau-gradient clipped at 1.5 here so that the clip acts)."""
     cfg = CLIPLossConfig(clip_loss=loss, tau_init=0.03, rho=2.0, gamma=0.7, **ISOGCLR)
-    cfg.tempnet_proj_size = 4
+    cfg.tempnet.tempnet_proj_size = 4
     torch.manual_seed(0)
     module = CLIPTrainModule(FakeTowers(1), cfg)
     k = len(cfg.state_fields)

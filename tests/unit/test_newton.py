@@ -85,3 +85,36 @@ def test_float32_input_returns_float32_shape():
     logits = _logits("random", seed=2, tokens=12, vocab=30).float().view(3, 4, 30)
     tau = optimal_tau(logits, rho=2.0, tau_min=1e-3, vocab_size=30)
     assert tau.shape == (3, 4) and tau.dtype == torch.float32
+
+
+def test_each_tau_source_gives_its_tau():
+    """``losses.tau_source``: a fixed value, Newton's minimiser (against scipy's on the dense
+    loss, with padded columns ignored) and TempNet's prediction; bad sources are refused."""
+    from megatron_tempnet.losses import FixedTau, NewtonTau, TempNetTau, fused_output_stage
+    from megatron_tempnet.tempnet import TempNetLM
+
+    logits = _logits("random", seed=3, tokens=6, vocab=40)
+    padded = torch.cat([logits, torch.full((6, 8), 50.0, dtype=torch.float64)], dim=1)
+    fixed = FixedTau(0.7).tau_of(padded.float(), vocab_size=40)
+    assert fixed.dtype == torch.float32 and torch.equal(fixed, torch.full((6,), 0.7))
+    tau = NewtonTau(rho=2.0, tau_min=0.01, tau_max=3.0).tau_of(padded, vocab_size=40)
+    for row, t in zip(logits, tau):
+
+        def f(x, row=row):
+            return float(dro_loss(row[None], torch.tensor([0]), x, rho=2.0))
+
+        best = minimize_scalar(
+            f,
+            bounds=(0.01, 3.0),
+            method="bounded",
+            options={"xatol": 1e-10},
+        ).x
+        assert abs(float(t) - best) < 1e-5
+    net = TempNetLM(40, hidden_size=8, proj_size=4, padded_vocab_size=48).double()
+    assert torch.equal(TempNetTau(net).tau_of(padded, vocab_size=40), net(padded))
+    with pytest.raises(ValueError, match=r"tau \(0\) must be > 0"):
+        FixedTau(0)
+    weight, hidden = torch.randn(48, 4), torch.randn(6, 4)
+    with pytest.raises(TypeError, match="tau must be a TauSource"):
+        fused_output_stage(hidden, weight, torch.zeros(6, dtype=torch.long), loss="ce",
+                           vocab_size=40, tau=0.7)  # fmt: skip

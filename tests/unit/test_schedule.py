@@ -5,6 +5,7 @@ checks of --train-iters / --train-samples and the schedule flags."""
 from __future__ import annotations
 
 import math
+import re
 from fractions import Fraction
 
 import pytest
@@ -386,32 +387,36 @@ def test_megatron_defaults():
     assert (t.recompute_granularity, t.recompute_method, t.recompute_num_layers) == (None,) * 3
 
 
-def test_clip_refuses_a_batch_ramp():
-    from megatron_tempnet.models.clip.arguments import build_clip_parser, clip_config_from_args
-    from megatron_tempnet.models.clip.task import validate_clip
+def test_clip_refuses_the_flags_it_cannot_use_by_name():
+    """pretrain_clip.py's --help leaves out a language model's flags and the features not built
+    for CLIP, and the command line refuses them with the reason, before anything starts."""
+    from megatron_tempnet.models.clip.arguments import build_clip_parser
+    from megatron_tempnet.utils.flag_parser import FlagError
 
-    argv = [
-        "--model",
-        "clip-tiny",
-        "--train-data",
-        "t",
-        "--tokenizer-type",
-        "GPT2BPETokenizer",
-        "--train-samples",
-        "40",
-        "--global-batch-size",
-        "8",
-        "--lr",
-        "1e-3",
-        "--rampup-batch-size",
-        "4",
-        "4",
-        "8",
-    ]
-    config = clip_config_from_args(build_clip_parser().parse_args(argv))
-    assert config.training.rampup_batch_size == (4, 4, 8)
-    with pytest.raises(ConfigError, match="--rampup-batch-size is not built for CLIP"):
-        validate_clip(config, 1)
+    parser = build_clip_parser()
+    help_text = parser.format_help()
+    argv = ["--model", "clip-tiny", "--train-data", "t", "--tokenizer-type", "GPT2BPETokenizer"]
+    argv += ["--train-iters", "4", "--lr", "1e-3"]
+    refused = {
+        "--sequence-parallel": [],
+        "--rampup-batch-size": ["4", "4", "8"],
+        "--eval-iters": ["3"],
+        "--no-bias-swiglu-fusion": [],
+        "--no-bias-gelu-fusion": [],
+        "--decoupled-lr": ["1e-4"],
+    }
+    reasons = {
+        "--sequence-parallel": "built for pretrain_gpt.py only",
+        "--rampup-batch-size": "not built for CLIP: its epochs are cut into whole global",
+        "--eval-iters": "pretrain_clip.py evaluates on the whole --valid-data",
+        "--no-bias-gelu-fusion": "CLIP's MLPs have neither SwiGLU nor the tanh GELU",
+        "--decoupled-lr": "a learning rate for an LM's input embedding",
+    }
+    for flag, values in refused.items():
+        assert flag not in help_text, flag
+        with pytest.raises(FlagError, match=re.escape(flag) + ": " + reasons.get(flag, "")):
+            parser.parse_args([*argv, flag, *values])
+    parser.parse_args(argv)  # the rest is fine
 
 
 def test_tempnet_constant_lr_keeps_its_peak_while_the_lm_follows_the_schedule():

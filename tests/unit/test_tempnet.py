@@ -173,7 +173,11 @@ def test_w1_is_split_like_the_logits_at_llama3_vocabulary(vocab, tp, padded, col
 def test_dropout_acts_in_training_only_and_the_fused_stage_follows_the_module():
     """--tempnet-dropout: the fused output stage draws the same mask as TempNet's own forward
     (one chunk, same RNG state), so its tau and TempNet's gradients equal the unfused path's."""
-    from megatron_tempnet.losses import fused_output_stage, temperature_scaled_cross_entropy
+    from megatron_tempnet.losses import (
+        TempNetTau,
+        fused_output_stage,
+        temperature_scaled_cross_entropy,
+    )
 
     torch.manual_seed(0)
     net = TempNetLM(40, hidden_size=16, proj_size=8, dropout=0.5).double()
@@ -189,7 +193,7 @@ def test_dropout_acts_in_training_only_and_the_fused_stage_follows_the_module():
         torch.manual_seed(1)
         if fused:
             out = fused_output_stage(
-                hidden, weight, target, loss="ts-ce", vocab_size=40, tempnet=net
+                hidden, weight, target, loss="ts-ce", vocab_size=40, tau=TempNetTau(net)
             )
             loss, tau = out.loss, out.tau
         else:
@@ -207,7 +211,7 @@ def test_tempnet_s_product_through_the_output_weight_is_the_same_math(monkeypatc
     """With the stop-gradient and more tokens than ~h, the fused stage forms ``W1 L`` as
     ``(W1 W) h`` (and W1's gradient through ``H``): tau, the loss and every gradient equal the
     direct product's in float64."""
-    from megatron_tempnet.losses import fused_output_stage, output_chunks, output_stage
+    from megatron_tempnet.losses import TempNetTau, fused_output_stage, output_chunks, output_stage
 
     torch.manual_seed(0)
     net = TempNetLM(50, hidden_size=12, proj_size=8, padded_vocab_size=56).double()
@@ -228,7 +232,14 @@ def test_tempnet_s_product_through_the_output_weight_is_the_same_math(monkeypatc
             output_stage, "w1_through_weight", recorded if factored else lambda *args: None
         )
         out = fused_output_stage(
-            hidden, weight, target, loss="dro", rho=2.0, vocab_size=50, tempnet=net, chunk_size=9
+            hidden,
+            weight,
+            target,
+            loss="dro",
+            rho=2.0,
+            vocab_size=50,
+            tau=TempNetTau(net),
+            chunk_size=9,
         )
         params = [hidden, weight, *net.parameters()]
         grads = torch.autograd.grad((out.loss * mask).sum() * 0.37, params)  # g: 0.37 or 0

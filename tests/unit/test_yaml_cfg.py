@@ -40,7 +40,7 @@ tempnet_rho: null      # the default
     config = _gpt(tmp_path, text, "--num-layers", "5")
     assert config.preset == "llama2-7b" and config.model.swiglu  # the preset's
     assert (config.model.num_layers, config.model.hidden_size) == (5, 96)
-    assert config.model.add_bias_linear and not config.loss.stop_grad
+    assert config.model.add_bias_linear and not config.loss.tempnet.stop_grad
     assert config.optimizer.lr == 3e-4 and config.data.data_path == ["2", "a", "1", "b"]
     assert config.loss.rho == 10.0
 

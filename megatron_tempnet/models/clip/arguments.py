@@ -12,8 +12,12 @@ from megatron_tempnet.models.clip.config import (
     CLIPTempNetConfig,
 )
 from megatron_tempnet.models.clip.data.image_text import ImageTextDataConfig
-from megatron_tempnet.models.clip.task import CLIPEvalConfig, CLIPRunConfig
-from megatron_tempnet.tempnet.config import TEMPNET_FIELDS
+from megatron_tempnet.models.clip.task import (
+    CLIPEvalConfig,
+    CLIPParallelConfig,
+    CLIPRunConfig,
+    CLIPTrainingConfig,
+)
 from megatron_tempnet.trainer import megatron_flags as run_flags
 from megatron_tempnet.trainer.arguments import add_run_flags, run_configs
 from megatron_tempnet.utils.flag_parser import FlagParser
@@ -30,9 +34,9 @@ def build_clip_parser() -> FlagParser:
     g = add_flags(p, ImageTextDataConfig, "data")
     add_flags(g, CLIPEvalConfig)
     add_flags(p, TokenizerConfig, "tokenizer")
-    add_flags(p, CLIPLossConfig, "loss", exclude=TEMPNET_FIELDS)
+    add_flags(p, CLIPLossConfig, "loss")
     add_flags(p, CLIPTempNetConfig, "TempNet")
-    add_run_flags(p)
+    add_run_flags(p, parallel=CLIPParallelConfig, training=CLIPTrainingConfig)
     p.add_check(_clip_problems)
     return p
 
@@ -48,10 +52,10 @@ def _clip_problems(args: argparse.Namespace) -> list[str]:
 
 
 def clip_config_from_args(args: argparse.Namespace) -> CLIPRunConfig:
-    run = run_configs(args)
+    run = run_configs(args, parallel=CLIPParallelConfig, training=CLIPTrainingConfig)
     return CLIPRunConfig(
         model=CLIPModelConfig.from_preset(args.model, **flag_values(CLIPModelConfig, args)),
-        loss=from_flags(CLIPLossConfig, args),
+        loss=from_flags(CLIPLossConfig, args, tempnet=from_flags(CLIPTempNetConfig, args)),
         data=from_flags(ImageTextDataConfig, args, seed=run["training"].seed),
         tokenizer=from_flags(TokenizerConfig, args),
         evaluation=from_flags(CLIPEvalConfig, args),

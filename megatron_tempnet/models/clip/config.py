@@ -14,7 +14,7 @@ from megatron_tempnet.models.transformer import (
 )
 from megatron_tempnet.tempnet.config import TempNetConfig
 from megatron_tempnet.utils.cli import UserError
-from megatron_tempnet.utils.flags import derived, option
+from megatron_tempnet.utils.flags import derived, nested, option
 
 CLIP_PRESETS: dict[str, dict] = {
     # the CPU demo: 16 x 16 grayscale digits, 4 x 4 patches
@@ -85,6 +85,10 @@ class CLIPModelConfig(TransformerImpl):
     -quickgelu models), instead of the exact GELU."""
     make_vocab_size_divisible_by: int = 128
     """Pad the text vocabulary to a multiple of this x the tensor-parallel size."""
+    bias_swiglu_fusion: bool = derived(True)
+    """No flag: CLIP's MLPs have no SwiGLU (``megatron_flags.CLIP_REFUSED``)."""
+    bias_gelu_fusion: bool = derived(True)
+    """No flag: CLIP's MLPs have no tanh GELU, the only one that fusion computes."""
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> CLIPModelConfig:
@@ -96,22 +100,16 @@ class CLIPModelConfig(TransformerImpl):
         return (self.image_size // self.patch_size) ** 2
 
     def vision_tower(self) -> TransformerShape:
-        return TransformerShape(
-            num_layers=self.vision_layers,
-            hidden_size=self.vision_hidden_size,
-            num_attention_heads=self.vision_heads,
-            init_method_std=self.init_method_std,
-            quick_gelu=self.quick_gelu,
-            hidden_dropout=0.0,  # CLIP trains without dropout (OpenCLIP's default)
-            attention_dropout=0.0,
-            **self.impl(),
-        )
+        return self._tower(self.vision_layers, self.vision_hidden_size, self.vision_heads)
 
     def text_tower(self) -> TransformerShape:
+        return self._tower(self.text_layers, self.text_hidden_size, self.text_heads)
+
+    def _tower(self, layers: int, hidden_size: int, heads: int) -> TransformerShape:
         return TransformerShape(
-            num_layers=self.text_layers,
-            hidden_size=self.text_hidden_size,
-            num_attention_heads=self.text_heads,
+            num_layers=layers,
+            hidden_size=hidden_size,
+            num_attention_heads=heads,
             init_method_std=self.init_method_std,
             quick_gelu=self.quick_gelu,
             hidden_dropout=0.0,  # CLIP trains without dropout (OpenCLIP's default)
@@ -166,7 +164,7 @@ class CLIPLossConfigError(UserError, ValueError):
 
 @dataclass
 class CLIPTempNetConfig(TempNetConfig):
-    """TempNet for CLIP (the paper's Table 6), and the rho of every robust loss."""
+    """TempNet for CLIP (the paper's Table 6)."""
 
     tempnet_hidden_size: int = derived(256)
     """d1: the model's --embed-dim (the prototypes live in the embedding space)."""
@@ -176,16 +174,13 @@ class CLIPTempNetConfig(TempNetConfig):
     """tau0: TempNet's lowest tau."""
     tau_max: float = option(0.05, name="--tempnet-tau-max")
     """TempNet's highest tau."""
-    rho: float = option(8.0, name="--tempnet-rho")
-    """The KL-DRO radius (the paper's range for CLIP: 7-10); rho >= log(global batch - 1) drives
-    every tau to --tempnet-tau-min."""
     stop_grad: bool = derived(True)
     """CLIP's TempNet always reads the detached embedding."""
 
 
 @dataclass
-class CLIPLossConfig(CLIPTempNetConfig):
-    """The contrastive loss and its temperatures (TempNet's fields from ``CLIPTempNetConfig``)."""
+class CLIPLossConfig:
+    """The contrastive loss and its temperatures (TempNet's settings in ``tempnet``)."""
 
     clip_loss: str = option("tempnet", choices=CLIP_LOSSES)
     """clip: InfoNCE with one learnable tau; sogclr: the global contrastive loss with a fixed tau;
@@ -208,6 +203,11 @@ class CLIPLossConfig(CLIPTempNetConfig):
     """The lower bound of iSogCLR's per-sample taus."""
     isogclr_tau_max: float = 0.05
     """The upper bound of iSogCLR's per-sample taus."""
+    rho: float = option(8.0, name="--tempnet-rho")
+    """The KL-DRO radius of every robust loss (the paper's range for CLIP: 7-10); rho >=
+    log(global batch - 1) drives every tau to --tempnet-tau-min."""
+    tempnet: CLIPTempNetConfig = nested(CLIPTempNetConfig)
+    """TempNet's shape, temperature range and optimizer settings (the TempNet flags)."""
 
     @property
     def uses_tempnet(self) -> bool:
@@ -229,7 +229,7 @@ class CLIPLossConfig(CLIPTempNetConfig):
             raise CLIPLossConfigError(
                 f"--clip-loss {self.clip_loss!r} is not one of {', '.join(CLIP_LOSSES)}"
             )
-        problem = self.range_problem()
+        problem = self.tempnet.range_problem()
         if problem:
             raise CLIPLossConfigError(problem)
         if self.tau_init <= 0:
@@ -238,8 +238,8 @@ class CLIPLossConfig(CLIPTempNetConfig):
             self._validate_isogclr()
         if not 0 < self.gamma <= 1:
             raise CLIPLossConfigError(f"--sogclr-gamma ({self.gamma}) must be in (0, 1]")
-        if self.rho_problem():
-            raise CLIPLossConfigError(self.rho_problem())
+        if self.rho < 0:
+            raise CLIPLossConfigError(f"--tempnet-rho ({self.rho}) must be >= 0")
 
     def _validate_isogclr(self) -> None:
         low, high = self.isogclr_tau_min, self.isogclr_tau_max

@@ -37,7 +37,7 @@ from megatron_tempnet.models.clip.towers import (
 )
 from megatron_tempnet.models.recompute import Recompute
 from megatron_tempnet.models.transformer import seed_rngs
-from megatron_tempnet.trainer.pipeline import NormRecorder, Pipeline, share_from_last_stage
+from megatron_tempnet.trainer.pipeline import NormRecorder, Pipeline, train_through_schedule
 from megatron_tempnet.trainer.stats import StepStats
 from megatron_tempnet.trainer.step import compute_device
 from megatron_tempnet.utils.precision import to_training_dtype
@@ -289,11 +289,11 @@ def pipeline_train_step(
     dp = dist.get_world_size(group=dp_group)
     anchors = 2 * dp * sum(int(b["index"].shape[0]) for b in batches)
     objective.start_step(anchors, dp * len(batches))
-    engine.train_batch(_micro_batches(batches))
-    grad_norm = norm.norm if norm is not None else engine.get_global_grad_norm()
-    stats = objective.stats.reduce(
-        dp_group, pp_group, grad_norm=grad_norm, applied=engine.was_step_applied()
+    return train_through_schedule(
+        engine,
+        _micro_batches(batches),
+        objective.stats,
+        dp_group=dp_group,
+        pp_group=pp_group,
+        norm=norm,
     )
-    sample = stats.tau_sample
-    stats.tau_sample = lambda: share_from_last_stage(sample(), pp_group)
-    return stats

@@ -30,12 +30,12 @@ from megatron_tempnet.models.clip.towers import CLIPModel
 from megatron_tempnet.models.recompute import Recompute
 from megatron_tempnet.models.transformer import seed_rngs
 from megatron_tempnet.tempnet.clip import TempNetCLIP
-from megatron_tempnet.trainer.config import ConfigError, RunConfig
+from megatron_tempnet.trainer.config import ConfigError, ParallelConfig, RunConfig, TrainingConfig
 from megatron_tempnet.trainer.engine import model_and_own_groups
 from megatron_tempnet.trainer.step import compute_device, step_max_grad_norm
 from megatron_tempnet.trainer.task import ParamGroup, TaskData, TrainModel
 from megatron_tempnet.trainer.validation import validate_run
-from megatron_tempnet.utils.flags import option
+from megatron_tempnet.utils.flags import derived, option
 from megatron_tempnet.utils.logging import log_rank0
 from megatron_tempnet.utils.precision import to_training_dtype
 
@@ -56,9 +56,24 @@ class CLIPEvalConfig:
     """Samples per forward pass in evaluation."""
 
 
+@dataclass
+class CLIPParallelConfig(ParallelConfig):
+    sequence_parallel: bool = derived(False)
+    """No flag: CLIP's towers keep whole sequences (``megatron_flags.CLIP_REFUSED``)."""
+
+
+@dataclass
+class CLIPTrainingConfig(TrainingConfig):
+    rampup_batch_size: tuple[int, ...] | None = derived(None)
+    """No flag: an epoch is cut into whole global batches (``megatron_flags.CLIP_REFUSED``)."""
+    eval_iters: int = derived(0)
+    """No flag: CLIP evaluates on the whole --valid-data (``CLIPEvalConfig``)."""
+
+
 @dataclass(kw_only=True)
 class CLIPRunConfig(RunConfig):
     model: CLIPModelConfig
+    parallel: CLIPParallelConfig = field(default_factory=CLIPParallelConfig)
     loss: CLIPLossConfig = field(default_factory=CLIPLossConfig)
     data: ImageTextDataConfig
     tokenizer: TokenizerConfig
@@ -73,18 +88,7 @@ def validate_clip(config: CLIPRunConfig, world_size: int) -> None:
             f"--pipeline-model-parallel-size ({p.pipeline_model_parallel_size}) must be at most "
             f"the towers' layers (--vision-layers + --text-layers = {layers})"
         )
-    if t.rampup_batch_size is not None:
-        raise ConfigError(
-            "--rampup-batch-size is not built for CLIP: its epochs are cut into whole global "
-            "batches (no pair twice in a batch), which a growing batch would break"
-        )
-    validate_run(config, world_size)  # --sequence-parallel is off by now at TP 1
-    if p.sequence_parallel:
-        raise ConfigError(
-            "--sequence-parallel is built for pretrain_gpt.py only: CLIP's towers keep whole "
-            "sequences on every tensor-parallel rank (the ViT's 1 + patches tokens, the pooled "
-            "class and end-of-text tokens); drop the flag"
-        )
+    validate_run(config, world_size)
     contrastive = t.micro_batch_size * config.data_parallel_size(world_size)
     if contrastive < 2:
         raise ConfigError(
@@ -92,7 +96,7 @@ def validate_clip(config: CLIPRunConfig, world_size: int) -> None:
             "batch (each micro-batch gathered over DP): it needs >= 2 pairs"
         )
     config.loss.validate()
-    config.loss.resolve_optimizer(config.optimizer.lr, config.optimizer.weight_decay)
+    config.loss.tempnet.resolve_optimizer(config.optimizer.lr, config.optimizer.weight_decay)
     config.model.validate(p.tensor_model_parallel_size)
 
 
@@ -140,7 +144,7 @@ class CLIPTask:
         m, d = config.model, config.data
         if m.vocab_size is None:
             m.vocab_size = tokenizer.vocab_size
-        config.loss.tempnet_hidden_size = m.embed_dim
+        config.loss.tempnet.tempnet_hidden_size = m.embed_dim
         d.image_size, d.image_channels, d.context_length = (
             m.image_size,
             m.image_channels,
@@ -199,7 +203,7 @@ class CLIPTask:
         # whole on the device first: megatron-core put the linear layers there already
         module = module.to(compute_device())
         if config.loss.uses_tempnet:
-            _init_prototypes(module, data.pairs, config.loss.tempnet_proj_size, t.seed)
+            _init_prototypes(module, data.pairs, config.loss.tempnet.tempnet_proj_size, t.seed)
         seed_rngs(t.seed)
         m, tp = config.model, config.parallel.tensor_model_parallel_size
         layout = TensorLayout(m.vocab_size, m.padded_vocab_size(tp))
@@ -223,12 +227,12 @@ class CLIPTask:
             sample_state=None if data.rank_state is None else data.rank_state.state,
         )
         if config.loss.uses_tempnet:
-            batch = _prototype_pairs(data.pairs, config.loss.tempnet_proj_size, t.seed)
+            batch = _prototype_pairs(data.pairs, config.loss.tempnet.tempnet_proj_size, t.seed)
             pipeline.init_prototypes(
                 module, batch, parallel_state.get_pipeline_model_parallel_group()
             )
             log_rank0("TempNet prototypes initialised from %d training pairs (the other "
-                      "modality)", config.loss.tempnet_proj_size)  # fmt: skip
+                      "modality)", config.loss.tempnet.tempnet_proj_size)  # fmt: skip
         layout = TensorLayout(m.vocab_size, m.padded_vocab_size(p.tensor_model_parallel_size))
         return TrainModel(
             module,
@@ -319,12 +323,12 @@ def _param_groups(module: CLIPTrainModule, config: CLIPRunConfig) -> list[ParamG
     tempnet_params = [p for m in tempnets for p in m.parameters()]
     if t.uses_tempnet and not tempnet_params:  # a pipeline stage before the last
         tempnet_params = [module.group_placeholder("tempnet")]
-    own = {"tempnet": (tempnet_params, t.tempnet_lr, t.tempnet_weight_decay)}
+    own = {"tempnet": (tempnet_params, t.tempnet.tempnet_lr, t.tempnet.tempnet_weight_decay)}
     if config.parallel.pipeline_model_parallel_size > 1 and t.clip_loss in ("clip", "tau"):
         # every stage needs every group: the temperature (last stage) has its own
         o, found = config.optimizer, [p for n, p in module.named_parameters() if _temperature(n)]
         own["temperature"] = (found or [module.group_placeholder("temperature")], o.lr, 0.0)
-    constant = frozenset({"tempnet"} if t.tempnet_constant_lr else ())
+    constant = frozenset({"tempnet"} if t.tempnet.tempnet_constant_lr else ())
     return model_and_own_groups(module, config.optimizer, "model", own, constant)
 
 

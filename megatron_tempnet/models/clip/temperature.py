@@ -58,15 +58,15 @@ class CLIPTemperature:
         if loss.uses_tempnet:
             kw = dict(
                 hidden_size=embed_dim,  # the prototypes live in the embedding space
-                proj_size=loss.tempnet_proj_size,
-                tau_min=loss.tau_min,
-                tau_max=loss.tau_max,
+                proj_size=loss.tempnet.tempnet_proj_size,
+                tau_min=loss.tempnet.tau_min,
+                tau_max=loss.tempnet.tau_max,
             )
             self.tempnets = nn.ModuleDict({side: TempNetCLIP(embed_dim, **kw) for side in SIDES})
 
     def global_tau(self) -> torch.Tensor:
         """CLIP's learnable tau ``[1]``."""
-        return self.log_tau.float().exp().clamp(min=self.loss_config.tau_min)
+        return self.log_tau.float().exp().clamp(min=self.loss_config.tempnet.tau_min)
 
     def temperature(
         self, side: str, embeddings: torch.Tensor

@@ -25,7 +25,7 @@ from megatron_tempnet.models.gpt.task import (
     GPTRunConfig,
     GPTTrainingConfig,
 )
-from megatron_tempnet.tempnet.config import TEMPNET_FIELDS, TempNetConfig
+from megatron_tempnet.tempnet.config import TempNetConfig
 from megatron_tempnet.trainer import megatron_flags as run_flags
 from megatron_tempnet.trainer.arguments import add_run_flags, run_configs
 from megatron_tempnet.utils.flag_parser import FlagError, FlagParser
@@ -45,7 +45,7 @@ def build_parser() -> FlagParser:
                      required=megatron_flags.required_shape())  # fmt: skip
     add_flags(p, GPTDataConfig, "data", exclude=_DERIVED_DATA)
     add_flags(p, TokenizerConfig, "tokenizer")
-    add_flags(p, LossConfig, "loss", exclude=TEMPNET_FIELDS)
+    add_flags(p, LossConfig, "loss")
     add_flags(p, TempNetConfig, "TempNet")
     add_run_flags(p, training=GPTTrainingConfig, optimizer=GPTOptimizerConfig)
     add_flags(p, megatron_flags.GPTSpellings, "other spellings of Megatron-LM and TempNet")
@@ -67,7 +67,7 @@ def config_from_args(args: argparse.Namespace) -> GPTRunConfig:
     data = from_flags(GPTDataConfig, args, seq_length=model.seq_length, seed=run["training"].seed)
     return GPTRunConfig(
         model=model,
-        loss=from_flags(LossConfig, args),
+        loss=from_flags(LossConfig, args, tempnet=from_flags(TempNetConfig, args)),
         data=data,
         tokenizer=from_flags(TokenizerConfig, args),
         preset=args.model,

@@ -18,15 +18,15 @@ import torch
 
 from megatron_tempnet.losses import (
     fused_output_stage,
-    optimal_tau,
     temperature_scaled_cross_entropy,
     vocab_parallel_dro_loss,
 )
+from megatron_tempnet.losses.tau_source import FixedTau, NewtonTau, TauSource, TempNetTau
 from megatron_tempnet.models.gpt.layers import FinalHidden
 from megatron_tempnet.tempnet import TempNetLM
 from megatron_tempnet.tempnet.config import TempNetConfig
 from megatron_tempnet.utils.cli import UserError
-from megatron_tempnet.utils.flags import option
+from megatron_tempnet.utils.flags import nested, option
 
 LOSSES = ("ce", "dro", "ts-ce")
 TAU_SOURCES = ("fixed", "tempnet", "newton")
@@ -37,9 +37,9 @@ class LossConfigError(UserError, ValueError):
 
 
 @dataclass
-class LossConfig(TempNetConfig):
-    """What the run optimises: the loss, where tau comes from, and TempNet's settings (its
-    fields come from ``TempNetConfig``)."""
+class LossConfig:
+    """What the run optimises: the loss, where tau comes from, and TempNet's settings
+    (``tempnet``)."""
 
     loss: str = option("dro", choices=LOSSES)
     """The per-token loss: the KL-DRO loss of eq. 2 (dro), cross-entropy (ce), or cross-entropy
@@ -49,6 +49,10 @@ class LossConfig(TempNetConfig):
     (fixed: --fixed-tau), or each token's optimal tau by Newton's method (newton, Baseline 2)."""
     fixed_tau: float = 1.0
     """tau for --tau-source fixed."""
+    rho: float = option(10.0, name="--tempnet-rho")
+    """rho of eq. 2, the KL-DRO radius (the loss's and --tau-source newton's); it must stay
+    below log|C| for tau to have an interior optimum (the paper's 10 suits 32k-50k
+    vocabularies)."""
     tempnet_dropout: float = 0.0
     """Dropout on TempNet's hidden layer in training (the paper's own code uses 0.5)."""
     fused_output_stage: bool = option(True, name="--no-fused-output-stage")
@@ -58,10 +62,21 @@ class LossConfig(TempNetConfig):
     output_stage_chunk_size: int = 0
     """Tokens per chunk of the fused output stage; 0: as many as keep one chunk's logits under
     16M values per rank (64 MiB in float32)."""
+    tempnet: TempNetConfig = nested(TempNetConfig)
+    """TempNet's shape, temperature range and optimizer settings (the TempNet flags)."""
 
     @property
     def uses_tempnet(self) -> bool:
         return self.tau_source == "tempnet"
+
+    def tau(self, tempnet: torch.nn.Module | None = None, params=None) -> TauSource:
+        """--tau-source as the losses take it (``losses.tau_source``): ``tempnet`` (and the
+        stand-ins ``params`` for its parameters) for ``tempnet``."""
+        if self.tau_source == "tempnet":
+            return TempNetTau(tempnet, params)
+        if self.tau_source == "newton":
+            return NewtonTau(self.rho, self.tempnet.tau_min)
+        return FixedTau(self.fixed_tau)
 
     def validate(self) -> None:
         """Raise ``LossConfigError`` naming the flags when the objective cannot train."""
@@ -71,9 +86,11 @@ class LossConfig(TempNetConfig):
             raise LossConfigError(
                 f"--tau-source {self.tau_source!r} is not one of {', '.join(TAU_SOURCES)}"
             )
-        problem = self.range_problem() or self.rho_problem()
+        problem = self.tempnet.range_problem()
         if problem:
             raise LossConfigError(problem)
+        if self.rho < 0:
+            raise LossConfigError(f"--tempnet-rho ({self.rho}) must be >= 0")
         if not 0.0 <= self.tempnet_dropout < 1.0:
             raise LossConfigError(f"--tempnet-dropout ({self.tempnet_dropout}) must be in [0, 1)")
         if self.tau_source == "fixed" and not self.fixed_tau > 0:
@@ -87,7 +104,7 @@ class LossConfig(TempNetConfig):
                 "--loss ce does not use tau, so TempNet would get no gradient: use --loss dro or "
                 "ts-ce with --tau-source tempnet, or --tau-source fixed/newton to only report tau"
             )
-        if not self.stop_grad and self.tau_source != "tempnet":
+        if not self.tempnet.stop_grad and self.tau_source != "tempnet":
             raise LossConfigError("--no-tempnet-stop-grad needs --tau-source tempnet")
         if self.output_stage_chunk_size < 0:
             raise LossConfigError(
@@ -130,22 +147,9 @@ def token_losses_from_logits(
     Returns:
         ``TokenLosses``, each ``[b, s]``; ``ts_ce`` in evaluation (no gradients) only.
     """
-    if config.tau_source == "tempnet":
-        if tau is None:
-            tau = tempnet(logits)  # [b, s]; detached input unless --no-tempnet-stop-grad
-    elif config.tau_source == "newton":
-        with torch.no_grad():
-            tau = optimal_tau(
-                logits.detach(),
-                rho=config.rho,
-                tau_min=config.tau_min,
-                vocab_size=vocab_size,
-                tp_group=tp_group,
-            )
-    else:
-        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        tau = torch.full(labels.shape, config.fixed_tau, dtype=dtype, device=labels.device)
     common = {"vocab_size": vocab_size, "tp_group": tp_group}
+    if tau is None:  # TempNet's input is detached unless --no-tempnet-stop-grad
+        tau = config.tau(tempnet).tau_of(logits, **common)  # [b, s]
     if config.loss != "ce":
         # reported, not trained on: one more read of the logits, no graph; before the loss, so
         # that its transient [T, V/tp] buffer is freed before the loss keeps its own
@@ -197,13 +201,7 @@ def token_losses_fused(
     Returns:
         ``TokenLosses``, each ``[b, s]``; ``ts_ce`` in evaluation (no gradients) only.
     """
-    if config.tau_source == "tempnet":
-        source = {"tempnet": tempnet if tempnet is not None else final.tempnet}
-        source["tempnet_params"] = final.tempnet_params
-    elif config.tau_source == "newton":
-        source = {"newton_tau_min": config.tau_min}
-    else:
-        source = {"tau": config.fixed_tau}
+    tempnet = tempnet if tempnet is not None else final.tempnet
     out = fused_output_stage(
         final.hidden,  # [s, b, h] or [s/tp, b, h]: the labels are transposed instead
         final.weight,
@@ -216,7 +214,7 @@ def token_losses_fused(
         eval_terms=not torch.is_grad_enabled(),
         sequence_parallel=final.sequence_parallel,
         upstream_mask=None if loss_mask is None else loss_mask.t(),
-        **source,
+        tau=config.tau(tempnet, final.tempnet_params),
     )
     ts_ce = out.ts_ce.t() if out.ts_ce is not None else None
     return TokenLosses(loss=out.loss.t(), ce=out.ce.t(), tau=out.tau.t(), ts_ce=ts_ce)

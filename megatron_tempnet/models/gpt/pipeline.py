@@ -40,7 +40,7 @@ from megatron_tempnet.models.gpt.step import (
 from megatron_tempnet.models.recompute import Recompute
 from megatron_tempnet.models.transformer import TransformerPiece, seed_rngs
 from megatron_tempnet.tempnet import TempNetLM
-from megatron_tempnet.trainer.pipeline import NormRecorder, Pipeline, share_from_last_stage
+from megatron_tempnet.trainer.pipeline import NormRecorder, Pipeline, train_through_schedule
 from megatron_tempnet.trainer.stats import Statistics, StepStats
 from megatron_tempnet.trainer.step import compute_device
 
@@ -172,14 +172,14 @@ def pipeline_train_step(
     unpacked = [unpack_batch(b) for b in batches]
     dp = torch.distributed.get_world_size(group=dp_group)
     objective.start_step(global_token_count(unpacked, dp_group), dp * len(batches))
-    engine.train_batch(_micro_batches(unpacked))
-    grad_norm = norm.norm if norm is not None else engine.get_global_grad_norm()
-    stats = objective.train_stats.reduce(
-        dp_group, pp_group, grad_norm=grad_norm, applied=engine.was_step_applied()
+    return train_through_schedule(
+        engine,
+        _micro_batches(unpacked),
+        objective.train_stats,
+        dp_group=dp_group,
+        pp_group=pp_group,
+        norm=norm,
     )
-    sample = stats.tau_sample
-    stats.tau_sample = lambda: share_from_last_stage(sample(), pp_group)
-    return stats
 
 
 @torch.no_grad()

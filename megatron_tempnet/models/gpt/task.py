@@ -147,11 +147,11 @@ def validate_gpt(config: GPTRunConfig, world_size: int) -> None:
         raise ConfigError(
             "--freeze-lm trains TempNet only: it needs --tau-source tempnet (nothing else learns)"
         )
-    if config.training.freeze_lm and not loss.stop_grad:
+    if config.training.freeze_lm and not loss.tempnet.stop_grad:
         raise ConfigError("--freeze-lm and --no-tempnet-stop-grad contradict each other")
     _validate_frozen_lm_cache(config)
     loss.validate()
-    loss.resolve_optimizer(config.optimizer.lr, config.optimizer.weight_decay)
+    loss.tempnet.resolve_optimizer(config.optimizer.lr, config.optimizer.weight_decay)
     _validate_decoupled(config)
     config.model.validate(config.parallel.tensor_model_parallel_size)
     tp = config.parallel.tensor_model_parallel_size
@@ -227,7 +227,8 @@ def _frozen_from_pretrained(config: GPTRunConfig) -> bool:
 def _flops_per_sample(config: GPTRunConfig) -> float:
     """Megatron-LM's training FLOP count of one sample (``models.gpt.flops``)."""
     loss, m = config.loss, config.model
-    tempnet = (loss.tempnet_hidden_size, loss.tempnet_proj_size) if loss.uses_tempnet else None
+    t = loss.tempnet
+    tempnet = (t.tempnet_hidden_size, t.tempnet_proj_size) if loss.uses_tempnet else None
     tp = config.parallel.tensor_model_parallel_size
     frozen = config.training.freeze_lm
     return flops_per_token(m, tempnet, tp, frozen_lm=frozen) * m.seq_length
@@ -250,7 +251,7 @@ def _hidden_cache(config: GPTRunConfig, lm, tp_group) -> FrozenHiddenCache:
 def tempnet_kwargs(config: GPTRunConfig, tp_group) -> dict:
     """``TempNetLM``'s arguments for this run."""
     tp = config.parallel.tensor_model_parallel_size
-    t = config.loss
+    t = config.loss.tempnet
     return dict(
         vocab_size=config.model.vocab_size,
         hidden_size=t.tempnet_hidden_size,
@@ -258,7 +259,7 @@ def tempnet_kwargs(config: GPTRunConfig, tp_group) -> dict:
         tau_min=t.tau_min,
         tau_max=t.tau_max,
         padded_vocab_size=config.model.padded_vocab_size(tp),
-        dropout=t.tempnet_dropout,
+        dropout=config.loss.tempnet_dropout,
         stop_grad=t.stop_grad,
         tp_group=tp_group,
     )
@@ -380,10 +381,10 @@ class GPTTask:
     def _param_groups(self, module, config: GPTRunConfig) -> list[ParamGroup]:
         """The LM's groups and TempNet's (every pipeline stage has one: a placeholder where the
         stage holds no TempNet)."""
-        t = config.loss
+        t = config.loss.tempnet
         tempnets = [m for m in module.modules() if isinstance(m, TempNetLM)]
         tempnet_params = [p for m in tempnets for p in m.parameters()]
-        if t.uses_tempnet and not tempnet_params:
+        if config.loss.uses_tempnet and not tempnet_params:
             tempnet_params = [module.group_placeholder("tempnet")]
         own = {"tempnet": (tempnet_params, t.tempnet_lr, t.tempnet_weight_decay)}
         constant = frozenset({"tempnet"} if t.tempnet_constant_lr else ())
