@@ -299,13 +299,32 @@ def test_round_trip_back_to_hf_is_weight_identical(hf, arch, tmp_path):
 WALKTHROUGH = os.path.join(REPO, "docs", "walkthrough.md")
 
 
+def _exported_as_imported(hf_dir: str, exported: str) -> None:
+    """The exported HF folder holds the imported folder's weights, tensor for tensor, and its
+    config's shape entries."""
+    from safetensors.torch import load_file
+
+    original = load_file(os.path.join(hf_dir, "model.safetensors"))
+    with open(os.path.join(exported, "model.safetensors.index.json")) as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    back = {k: v for s in shards for k, v in load_file(os.path.join(exported, s)).items()}
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(back[k], original[k]) for k in original)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        want = json.load(f)
+    with open(os.path.join(exported, "config.json")) as f:
+        got = json.load(f)
+    keys = ["vocab_size", "hidden_size", "num_key_value_heads", "rms_norm_eps",
+            "tie_word_embeddings", "model_type", "architectures"]  # fmt: skip
+    assert {k: got.get(k) for k in keys} == {k: want[k] for k in keys}
+
+
 def test_walkthrough_runs_as_written(tmp_path, monkeypatch):
     """docs/walkthrough.md's own commands on a tiny LLaMA with a tokenizer, at TP 2: the
     checkpoint carries the tokenizer that preprocessing and training use, TempNet is trained on
     the frozen LM given by --pretrained-checkpoint, the LM exports back weight-identical, and
     tools/generate.py and HF generate with TempNetLogitsProcessor choose the same tokens with
     the taus of docs/design.md computed here from HF's logits."""
-    from safetensors.torch import load_file
 
     from megatron_tempnet.data.indexed import DatasetError
     from megatron_tempnet.data.tokenizer_sidecar import check_tokenizer, read_sidecar
@@ -325,14 +344,10 @@ def test_walkthrough_runs_as_written(tmp_path, monkeypatch):
     env = dict(ENV, **paths, **layout, SEQ="32", SPLIT="98,2,0", WORKERS="1", NEW_TOKENS="6")
     monkeypatch.chdir(REPO)
     programs, (python,) = run_document(WALKTHROUGH, env, str(tmp_path / "bash.log"))
-    assert [os.path.basename(str(p.args[0])) for p in programs] == [
-        "convert_hf_to_megatron.py",
-        "preprocess_data.py",
-        "pretrain_gpt.py",
-        "export_tempnet.py",
-        "convert_megatron_to_hf.py",
-        "generate.py",
-    ]
+    steps = "convert_hf_to_megatron preprocess_data pretrain_gpt export_tempnet"
+    steps += " convert_megatron_to_hf generate"
+    ran = [os.path.basename(str(p.args[0])) for p in programs]
+    assert ran == [f"{name}.py" for name in steps.split()]
 
     # 1. the checkpoint carries the model's tokenizer files and records that folder
     copied = sorted(os.listdir(os.path.join(lm, "tokenizer")))
@@ -359,26 +374,7 @@ def test_walkthrough_runs_as_written(tmp_path, monkeypatch):
     saved = weights(run)
     assert saved and all(n.startswith("tempnet.") for n in saved)
     # 4. the LM back in HF's format: the original weights, tensor for tensor, and config
-    original = load_file(os.path.join(hf_dir, "model.safetensors"))
-    with open(os.path.join(out, "hf", "model.safetensors.index.json")) as f:
-        shards = sorted(set(json.load(f)["weight_map"].values()))
-    back = {k: v for s in shards for k, v in load_file(os.path.join(out, "hf", s)).items()}
-    assert sorted(back) == sorted(original)
-    assert all(torch.equal(back[k], original[k]) for k in original)
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        want = json.load(f)
-    with open(os.path.join(out, "hf", "config.json")) as f:
-        got = json.load(f)
-    keys = [
-        "vocab_size",
-        "hidden_size",
-        "num_key_value_heads",
-        "rms_norm_eps",
-        "tie_word_embeddings",
-        "model_type",
-        "architectures",
-    ]
-    assert {k: got.get(k) for k in keys} == {k: want[k] for k in keys}
+    _exported_as_imported(hf_dir, os.path.join(out, "hf"))
     # 5. the same greedy tokens and taus from tools/generate.py and from HF generate, and the
     # taus are TempNet's of the logits that chose each token (float64, from the exported file)
     with open(os.path.join(out, "generations.jsonl")) as f:
@@ -580,48 +576,27 @@ def test_exported_configs_build_the_right_transformers_classes():
         assert getattr(config, "sliding_window", None) is None
 
 
+def _import_hf(hf_dir, save, *flags):
+    """tools/checkpoint/convert_hf_to_megatron.py, not checked."""
+    return tool("checkpoint/convert_hf_to_megatron.py", "--hf-dir", hf_dir, "--save", save, *flags,
+                check=False)  # fmt: skip
+
+
 def test_conversion_errors_are_clear(hf, tmp_path):
-    bad = tool(
-        "checkpoint/convert_hf_to_megatron.py",
-        "--hf-dir",
-        tmp_path / "nope",
-        "--save",
-        tmp_path / "x",
-        check=False,
-    )
+    bad = _import_hf(tmp_path / "nope", tmp_path / "x")
     assert bad.returncode == 1 and "--hf-dir" in bad.stderr and "Traceback" not in bad.stderr
-    layers = tool(
-        "checkpoint/convert_hf_to_megatron.py",
-        "--hf-dir",
-        hf["llama"],
-        "--save",
-        tmp_path / "y",
-        "--target-pp",
-        3,
-        check=False,
-    )
+    layers = _import_hf(hf["llama"], tmp_path / "y", "--target-pp", 3)
     assert layers.returncode == 1 and "--target-pp (3)" in layers.stderr
     with_tokenizer = tmp_path / "with-tokenizer"  # the model with a tokenizer file beside it
     os.makedirs(with_tokenizer)
     for name in os.listdir(hf["llama"]):
         os.symlink(os.path.join(hf["llama"], name), with_tokenizer / name)
     (with_tokenizer / "tokenizer_config.json").write_text("{}")
-    heads = tool(
-        "checkpoint/convert_hf_to_megatron.py",
-        "--hf-dir",
-        with_tokenizer,
-        "--save",
-        tmp_path / "z",
-        "--target-tp",
-        4,
-        check=False,
-    )
+    heads = _import_hf(with_tokenizer, tmp_path / "z", "--target-tp", 4)
     assert heads.returncode == 1 and "--num-query-groups (2)" in heads.stderr
     assert not os.path.exists(tmp_path / "z")  # nothing written: no tokenizer/ either
     ckpt = convert(hf["llama"], tmp_path / "w")
-    again = tool(
-        "checkpoint/convert_hf_to_megatron.py", "--hf-dir", hf["llama"], "--save", ckpt, check=False
-    )
+    again = _import_hf(hf["llama"], ckpt)
     assert again.returncode == 1 and "--overwrite" in again.stderr
     windowed = tmp_path / "windowed"
     os.makedirs(windowed)
@@ -630,14 +605,7 @@ def test_conversion_errors_are_clear(hf, tmp_path):
         config = dict(json.load(f), sliding_window=4096)
     with open(windowed / "config.json", "w") as f:
         json.dump(config, f)
-    window = tool(
-        "checkpoint/convert_hf_to_megatron.py",
-        "--hf-dir",
-        windowed,
-        "--save",
-        tmp_path / "v",
-        check=False,
-    )
+    window = _import_hf(windowed, tmp_path / "v")
     assert window.returncode == 1 and "sliding_window=4096" in window.stderr
     assert "Traceback" not in window.stderr and not os.path.exists(tmp_path / "v" / "latest")
     planted, ran = tmp_path / "planted", tmp_path / "code-ran"
@@ -646,14 +614,7 @@ def test_conversion_errors_are_clear(hf, tmp_path):
     torch.save(
         {"model.embed_tokens.weight": PlantedPickle(str(ran))}, planted / "pytorch_model.bin"
     )
-    refused = tool(
-        "checkpoint/convert_hf_to_megatron.py",
-        "--hf-dir",
-        planted,
-        "--save",
-        tmp_path / "u",
-        check=False,
-    )
+    refused = _import_hf(planted, tmp_path / "u")
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
     assert [line for line in refused.stderr.splitlines() if line.startswith("error:")] == [
         f"error: {planted / 'pytorch_model.bin'}: refused: loading it would run code (it calls "

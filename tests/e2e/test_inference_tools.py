@@ -403,6 +403,15 @@ def _numpy_calibration(logits: torch.Tensor, tau: torch.Tensor, target: torch.Te
     }
 
 
+def _evaluate_command(run: str, jsonl, tp: int) -> list[str]:
+    """tools/evaluate.py on ``jsonl``'s documents, each scored on its own, at TP ``tp``."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    return [sys.executable, *(launcher if tp == 2 else []),
+            os.path.join(REPO, "tools", "evaluate.py"), "--load", run,
+            "--tensor-model-parallel-size", str(tp), "--jsonl", str(jsonl),
+            "--documents", "separate"]  # fmt: skip
+
+
 def test_evaluate_tllm_perplexity_matches_a_reference(setup, tmp_path):
     """tools/evaluate.py at TP 1 (whole logits) and TP 2 (fused, chunks of 7): per-token T-LLM
     log-probabilities, perplexities and tau statistics equal HF's with the reference TempNet;
@@ -415,27 +424,11 @@ def test_evaluate_tllm_perplexity_matches_a_reference(setup, tmp_path):
     ce, tllm, per_doc = _hf_scores(setup, documents)
     results = {}
     for tp in (1, 2):
-        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-        cmd = [
-            sys.executable,
-            *(launcher if tp == 2 else []),
-            os.path.join(REPO, "tools", "evaluate.py"),
-            "--load",
-            setup["run"],
-            "--tensor-model-parallel-size",
-            str(tp),
-            "--jsonl",
-            str(tmp_path / "docs.jsonl"),
-            "--documents",
-            "separate",
-            "--output",
-            str(tmp_path / f"e{tp}.json"),
-            "--per-token-output",
-            str(tmp_path / f"t{tp}.jsonl"),
-            "--calibration",
-        ]
         # TP 1 forms the whole logits; TP 2 scores from the hidden states in chunks of 7 tokens
-        cmd += ["--no-fused-output-stage"] if tp == 1 else ["--output-stage-chunk-size", "7"]
+        stage = ["--no-fused-output-stage"] if tp == 1 else ["--output-stage-chunk-size", "7"]
+        cmd = _evaluate_command(setup["run"], tmp_path / "docs.jsonl", tp) + stage
+        cmd += ["--output", str(tmp_path / f"e{tp}.json"), "--calibration"]
+        cmd += ["--per-token-output", str(tmp_path / f"t{tp}.jsonl")]
         r = run_command(cmd, env=ENV, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         n = sum(len(d) - 1 for d in documents)  # progress on rank 0, through every target
@@ -521,47 +514,16 @@ def test_evaluate_scores_with_each_tokens_dro_optimum_beside_tempnet(setup, tmp_
     texts = [t[:80] for t in pydoc_documents(3)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     documents = [setup["tokenizer"].tokenize(t) for t in texts]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        os.path.join(REPO, "tools", "evaluate.py"),
-        "--load",
-        setup["run"],
-        "--tensor-model-parallel-size",
-        "2",
-        "--jsonl",
-        str(tmp_path / "docs.jsonl"),
-        "--documents",
-        "separate",
-        "--tau-source",
-        "newton",
-        "--rho",
-        "3",
-        "--tempnet-tau-max",
-        "1.5",
-        "--output-stage-chunk-size",
-        "5",
-        "--tau-grid",
-        "0.7",
-        "1.3",
-        "--output",
-        str(tmp_path / "e.json"),
-        "--per-token-output",
-        str(tmp_path / "t.jsonl"),
-    ]
+    cmd = _evaluate_command(setup["run"], tmp_path / "docs.jsonl", 2)
+    cmd += ["--tau-source", "newton", "--rho", "3", "--tempnet-tau-max", "1.5"]
+    cmd += ["--output-stage-chunk-size", "5", "--tau-grid", "0.7", "1.3"]
+    cmd += ["--output", str(tmp_path / "e.json"), "--per-token-output", str(tmp_path / "t.jsonl")]
     r = run_command(cmd, env=ENV, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((tmp_path / "e.json").read_text())
     rows = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
-    assert (summary["tau_source"], summary["rho"], summary["tau_min"], summary["tau_max"]) == (
-        "newton",
-        3.0,
-        0.001,
-        1.5,
-    )
+    settings = (summary["tau_source"], summary["rho"], summary["tau_min"], summary["tau_max"])
+    assert settings == ("newton", 3.0, 0.001, 1.5)
     hf = load_hf(setup["llama"])
     optimum, tempnet, tllm, beside, grid = [], [], [], [], {0.7: [], 1.3: []}
     for doc, row in zip(documents, rows):
@@ -639,25 +601,9 @@ def _lm_eval(setup, tmp_path, name: str, nproc: int, *extra) -> tuple[dict, dict
     return results, samples
 
 
-def test_lm_eval_adapter_scores_local_tasks_the_same_at_tp1_and_tp2(setup, tmp_path):
-    """A multiple-choice task whose correct choice is the model's greedy next token (accuracy
-    must be 1; every log-likelihood equals tools/evaluate.py's on the text context + choice), a
-    rolling log-likelihood task and a generation task; TP 2 with batches of 3 gives TP 1's
-    log-likelihoods (1e-5) and texts."""
-    tok = setup["tokenizer"]
-    contexts = ["The module", "import os", "Return the value", "class Foo"]
-    hf = load_hf(setup["llama"])
-    items = []
-    for i, context in enumerate(contexts):
-        with torch.no_grad():
-            logits = hf(torch.tensor([tok.tokenize(context)])).logits[0, -1]
-        ranked = [
-            t
-            for t in logits.argsort(descending=True).tolist()
-            if tok.detokenize([t]).startswith(" ") and tok.detokenize([t]).strip()
-        ]
-        choices = [tok.detokenize([t]) for t in (ranked[0], ranked[5], ranked[20])]
-        items.append({"question": context, "choices": choices, "answer": 0, "id": i})
+def _write_lm_eval_tasks(tmp_path, items: list[dict]) -> None:
+    """lm-eval task files in ``tmp_path``: multiple choice over ``items``, rolling
+    log-likelihood of three passages, and generation from ``items``' questions."""
     (tmp_path / "mc.jsonl").write_text("".join(json.dumps(x) + "\n" for x in items))
     texts = [t[:150] for t in pydoc_documents(3)]
     (tmp_path / "roll.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
@@ -679,6 +625,28 @@ def test_lm_eval_adapter_scores_local_tasks_the_same_at_tp1_and_tp2(setup, tmp_p
         '  until: ["\\n\\n"]\n  max_gen_toks: 6\n  do_sample: false\n'
         "metric_list:\n  - metric: exact_match\n"
     )
+
+
+def test_lm_eval_adapter_scores_local_tasks_the_same_at_tp1_and_tp2(setup, tmp_path):
+    """A multiple-choice task whose correct choice is the model's greedy next token (accuracy
+    must be 1; every log-likelihood equals tools/evaluate.py's on the text context + choice), a
+    rolling log-likelihood task and a generation task; TP 2 with batches of 3 gives TP 1's
+    log-likelihoods (1e-5) and texts."""
+    tok = setup["tokenizer"]
+    contexts = ["The module", "import os", "Return the value", "class Foo"]
+    hf = load_hf(setup["llama"])
+    items = []
+    for i, context in enumerate(contexts):
+        with torch.no_grad():
+            logits = hf(torch.tensor([tok.tokenize(context)])).logits[0, -1]
+        ranked = [
+            t
+            for t in logits.argsort(descending=True).tolist()
+            if tok.detokenize([t]).startswith(" ") and tok.detokenize([t]).strip()
+        ]
+        choices = [tok.detokenize([t]) for t in (ranked[0], ranked[5], ranked[20])]
+        items.append({"question": context, "choices": choices, "answer": 0, "id": i})
+    _write_lm_eval_tasks(tmp_path, items)
     results, samples = _lm_eval(setup, tmp_path, "tp1", 1)
     assert results["results"]["tiny_mc"]["acc,none"] == 1.0
     _, samples_tp2 = _lm_eval(setup, tmp_path, "tp2", 2, "--batch_size", 3)
@@ -746,20 +714,16 @@ def _http(port: int, method: str, path: str = "/api", body=None, raw: bytes | No
         return e.code, json.loads(e.read())
 
 
-def test_server_answers_requests_at_tp2_and_rejects_bad_ones(setup, tmp_path):
-    """tools/serve.py at TP 2 (rank 0 serves, rank 1 follows): generations equal HF generate's
-    greedy tokens and TempNet's taus; bad requests get a 400 and the server keeps serving."""
-    import signal
+def _start_server(run: str, tmp_path, sample: list[str]):
+    """tools/serve.py at TP 2 on a free port, its upper bound fitted on ``sample``; returns the
+    process, the port and its log file (open)."""
     import subprocess
-    import time
 
-    from megatron_tempnet.inference.hf import TempNetLogitsProcessor
     from tests.helpers.entry_points import _free_port
 
-    sample = ["The module", "import os"]  # --tau-target-mean's sample
     (tmp_path / "sample.txt").write_text("".join(t + "\n" for t in sample))
     port = _free_port()
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (closed below)
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (closed by the caller)
     server = subprocess.Popen(
         [
             sys.executable,
@@ -769,7 +733,7 @@ def test_server_answers_requests_at_tp2_and_rejects_bad_ones(setup, tmp_path):
             "--nproc-per-node=2",
             os.path.join(REPO, "tools", "serve.py"),
             "--load",
-            setup["run"],
+            run,
             "--tensor-model-parallel-size",
             "2",
             "--port",
@@ -786,15 +750,58 @@ def test_server_answers_requests_at_tp2_and_rejects_bad_ones(setup, tmp_path):
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    return server, port, log
+
+
+def _server_info(server, port: int, log_path) -> dict:
+    """``GET /api`` once the server answers (it fails the test if the server stops first)."""
+    import time
+
+    for _ in range(240):
+        try:
+            status, info = _http(port, "GET")
+            assert status == 200, info
+            return info
+        except OSError:
+            assert server.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+    raise AssertionError("the server did not answer in 120 s")
+
+
+def _bad_requests_get_400(port: int) -> None:
+    long_prompt = "word " * 80
+    for kwargs, expect in [
+        (dict(raw=b'{"prompts": ["a"'), "not valid JSON"),
+        (dict(body=["a"]), "JSON object"),
+        (dict(body={"tokens_to_generate": 3}), "missing field 'prompts'"),
+        (dict(body={"prompts": ["a"], "temprature": 1}), "unknown field 'temprature'"),
+        (dict(body={"prompts": "a"}), "prompts: expected a list"),
+        (dict(body={"prompts": [""]}), "prompts[0]: expected a non-empty string"),
+        (dict(body={"prompts": ["a"] * 5}), "give 1 to 4 prompts"),
+        (dict(body={"prompts": ["a"], "tokens_to_generate": 0}), "tokens_to_generate (0)"),
+        (dict(body={"prompts": ["a"], "top_p": 0}), "top_p (0) must be in (0, 1]"),
+        (dict(body={"prompts": ["a"], "tokens_to_generate": True}), "tokens_to_generate"),
+        (dict(body={"prompts": ["a"], "fixed_tau": -1}), "fixed_tau (-1) must be > 0"),
+        (dict(body={"prompts": ["ok", long_prompt], "tokens_to_generate": 8}), "prompts[1]: "),
+    ]:
+        status, answer = _http(port, "PUT", **kwargs)
+        assert status == 400 and expect in answer["error"], (kwargs, answer)
+    assert "positions" in _http(port, "PUT", body={"prompts": [long_prompt]})[1]["error"]
+    assert _http(port, "GET", "/nowhere")[0] == 404
+
+
+def test_server_answers_requests_at_tp2_and_rejects_bad_ones(setup, tmp_path):
+    """tools/serve.py at TP 2 (rank 0 serves, rank 1 follows): generations equal HF generate's
+    greedy tokens and TempNet's taus; bad requests get a 400 and the server keeps serving."""
+    import signal
+
+    from megatron_tempnet.inference.hf import TempNetLogitsProcessor
+
+    sample = ["The module", "import os"]  # --tau-target-mean's sample
+    server, port, log = _start_server(setup["run"], tmp_path, sample)
     try:
-        for _ in range(240):
-            try:
-                status, info = _http(port, "GET")
-                break
-            except OSError:
-                assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-                time.sleep(0.5)
-        assert status == 200 and info["tensor_model_parallel_size"] == 2 and info["tempnet"]
+        info = _server_info(server, port, tmp_path / "serve.log")
+        assert info["tensor_model_parallel_size"] == 2 and info["tempnet"]
         tok, hf = setup["tokenizer"], load_hf(setup["llama"])
         with torch.no_grad():  # the server's upper bound makes TempNet's mean tau 0.8 on these
             logits = torch.cat([hf(torch.tensor([tok.tokenize(t)])).logits[0] for t in sample])
@@ -829,25 +836,7 @@ def test_server_answers_requests_at_tp2_and_rejects_bad_ones(setup, tmp_path):
             },
         )
         assert status == 200 and max(capped["tau"][0]) <= 0.5 and capped["token_ids"][0]
-        long_prompt = "word " * 80
-        for kwargs, expect in [
-            (dict(raw=b'{"prompts": ["a"'), "not valid JSON"),
-            (dict(body=["a"]), "JSON object"),
-            (dict(body={"tokens_to_generate": 3}), "missing field 'prompts'"),
-            (dict(body={"prompts": ["a"], "temprature": 1}), "unknown field 'temprature'"),
-            (dict(body={"prompts": "a"}), "prompts: expected a list"),
-            (dict(body={"prompts": [""]}), "prompts[0]: expected a non-empty string"),
-            (dict(body={"prompts": ["a"] * 5}), "give 1 to 4 prompts"),
-            (dict(body={"prompts": ["a"], "tokens_to_generate": 0}), "tokens_to_generate (0)"),
-            (dict(body={"prompts": ["a"], "top_p": 0}), "top_p (0) must be in (0, 1]"),
-            (dict(body={"prompts": ["a"], "tokens_to_generate": True}), "tokens_to_generate"),
-            (dict(body={"prompts": ["a"], "fixed_tau": -1}), "fixed_tau (-1) must be > 0"),
-            (dict(body={"prompts": ["ok", long_prompt], "tokens_to_generate": 8}), "prompts[1]: "),
-        ]:
-            status, answer = _http(port, "PUT", **kwargs)
-            assert status == 400 and expect in answer["error"], (kwargs, answer)
-        assert "positions" in _http(port, "PUT", body={"prompts": [long_prompt]})[1]["error"]
-        assert _http(port, "GET", "/nowhere")[0] == 404
+        _bad_requests_get_400(port)
         status, again = _http(
             port, "PUT", body={"prompts": prompts, "tokens_to_generate": 5, "stop_at_eod": False}
         )

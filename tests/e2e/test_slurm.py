@@ -264,6 +264,32 @@ def gpt2_data(tmp_path_factory):
     }
 
 
+CLIP_RUN = {
+    "TRAIN_ITERS": "3",
+    "WARMUP_ITERS": "1",
+    "MODEL": "clip-tiny",
+    "EMBED_DIM": "32",
+    "GLOBAL_BATCH": "8",
+    "NPROC_PER_NODE": "1",
+    "DEVICE": "cpu",
+    "REPO": REPO,
+    "PYTHON": sys.executable,
+    "LOG_INTERVAL": "1",
+}
+"""run_clip_tempnet.sh's settings for a 3-iteration CPU job (its data and RUN_DIR apart)."""
+
+
+def _submit_ablations(gpt2_data: dict, tmp_path) -> str:
+    """run_ablations.sh submits its job array itself; returns the array's job id."""
+    ablations = {**gpt2_data, "TRAIN_ITERS": "2", "ABLATION_DIR": str(tmp_path / "abl")}
+    submit = ["bash", os.path.join(EXAMPLES, "run_ablations.sh"), "--ntasks-per-node=1",
+              "--gpus-per-node=0", "--cpus-per-task=1", "--time=10",
+              f"--output={tmp_path}/abl-%a.out"]  # fmt: skip
+    r = subprocess.run(submit, env=dict(os.environ, **ablations), capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("Submitted batch job"), r.stderr
+    return r.stdout.split()[-1]
+
+
 def test_every_other_script_runs_under_slurm(cluster, gpt2_data, llama_lm, tmp_path):
     """One task per job, so that two jobs share the node; finetuning waits for its pretrained LM
     (a SLURM dependency), the ablations go in as a job array submitted by the script itself."""
@@ -286,34 +312,9 @@ def test_every_other_script_runs_under_slurm(cluster, gpt2_data, llama_lm, tmp_p
     )
     llama7b = {**llama_lm, **iters, "RUN_DIR": str(tmp_path / "llama7b"), "NPROC_PER_NODE": "2"}
     l7 = _submit(cluster, "run_llama7b_tempnet.sh", llama7b, str(tmp_path / "l7.out"), 2)
-    clip = {
-        **_clip_data(tmp_path),
-        "RUN_DIR": str(tmp_path / "clip"),
-        "TRAIN_ITERS": "3",
-        "WARMUP_ITERS": "1",
-        "MODEL": "clip-tiny",
-        "EMBED_DIM": "32",
-        "GLOBAL_BATCH": "8",
-        "NPROC_PER_NODE": "1",
-        "DEVICE": "cpu",
-        "REPO": REPO,
-        "PYTHON": sys.executable,
-        "LOG_INTERVAL": "1",
-    }
+    clip = {**_clip_data(tmp_path), **CLIP_RUN, "RUN_DIR": str(tmp_path / "clip")}
     clip_job = _submit(cluster, "run_clip_tempnet.sh", clip, str(tmp_path / "clip.out"), 1)
-    ablations = {**gpt2_data, "TRAIN_ITERS": "2", "ABLATION_DIR": str(tmp_path / "abl")}
-    submit = [
-        "bash",
-        os.path.join(EXAMPLES, "run_ablations.sh"),
-        "--ntasks-per-node=1",
-        "--gpus-per-node=0",
-        "--cpus-per-task=1",
-        "--time=10",
-        f"--output={tmp_path}/abl-%a.out",
-    ]
-    r = subprocess.run(submit, env=dict(os.environ, **ablations), capture_output=True, text=True)
-    assert r.returncode == 0 and r.stdout.startswith("Submitted batch job"), r.stderr
-    array = r.stdout.split()[-1]
+    array = _submit_ablations(gpt2_data, tmp_path)
     for job, name in [(gpt2, "gpt2"), (ft, "ft"), (l7, "l7"), (clip_job, "clip")]:
         state = cluster.wait(job, timeout=600)
         assert state == "COMPLETED", (name, (tmp_path / f"{name}.out").read_text()[-3000:])
