@@ -42,6 +42,9 @@ class TempNetLogitsProcessor(LogitsProcessor):
     first: tokens they set to ``-inf`` (``min_new_tokens``, ``bad_words_ids``,
     ``suppress_tokens``) reach TempNet as the lowest finite score of their row (an ``-inf`` would
     make TempNet's normalised input, and every score, NaN).
+
+    A step waits for nothing on the host: the recorded taus stay on the scores' device until
+    ``taus`` is read.
     """
 
     def __init__(self, tempnet_dir: str, *, tau_max_eval: float | None = None, record: bool = True):
@@ -60,13 +63,13 @@ class TempNetLogitsProcessor(LogitsProcessor):
         if self.tempnet.weight1.device != scores.device:
             self.tempnet.to(scores.device)
         logits = scores[:, :vocab].float()
+        # tokens an earlier processor forbade (min_new_tokens, ...) read as their row's lowest
+        # finite score; computed for every row, so that no step asks the host whether any is
         finite = torch.isfinite(logits)
-        if not bool(finite.all()):  # tokens an earlier processor forbade (min_new_tokens, ...)
-            floor = logits.masked_fill(~finite, float("inf")).min(dim=1, keepdim=True).values
-            logits = torch.where(finite, logits, floor)
-        tau = self.tempnet(logits)  # [b]
+        floor = logits.masked_fill(~finite, float("inf")).amin(dim=1, keepdim=True)
+        tau = self.tempnet(torch.where(finite, logits, floor))  # [b]
         if self.record:
-            self._taus.append(tau.detach().cpu())
+            self._taus.append(tau.detach())
         return scores / tau[:, None].to(scores.dtype)
 
     @torch.no_grad()
@@ -85,10 +88,11 @@ class TempNetLogitsProcessor(LogitsProcessor):
 
     @property
     def taus(self) -> torch.Tensor:
-        """``[batch, steps]`` tau of every generated token so far (float32, CPU)."""
+        """``[batch, steps]`` tau of every generated token so far (float32, CPU; one copy from
+        the device)."""
         if not self._taus:
             return torch.empty(0, 0)
-        return torch.stack(self._taus, dim=1)
+        return torch.stack(self._taus, dim=1).cpu()
 
     def reset(self) -> None:
         """Forget the recorded taus (before the next ``generate``)."""

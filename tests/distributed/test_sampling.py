@@ -104,3 +104,38 @@ def test_samples_do_not_depend_on_tp_and_follow_softmax_of_logits_over_tau():
         freq = torch.bincount(one[:, row], minlength=VOCAB).double() / one.shape[0]
         assert (freq - probs[row]).abs().max() < 0.035, row  # ~4 standard errors at 3000 draws
     assert one.max() < VOCAB
+
+
+def _processor_steps(directory: str, steps: list[torch.Tensor]):
+    from megatron_tempnet.inference.hf import TempNetLogitsProcessor
+
+    processor = TempNetLogitsProcessor(directory)
+    counter, before = device_rules.counter(), len(device_rules.counter().events)
+    scaled = [processor(None, scores.clone()) for scores in steps]
+    # a step waits for nothing on the host; reading the recorded taus copies them once
+    assert counter.events[before:] == [], counter.events[before:]
+    return scaled, processor.taus
+
+
+def test_the_hf_logits_processor_waits_for_nothing_and_divides_by_tempnets_tau(tmp_path):
+    """TempNetLogitsProcessor under the GPU's rules: no host synchronisation per step; its taus
+    are the float64 reference TempNet's of each row (an earlier processor's -inf read as the
+    row's lowest finite score) and every score is divided by its row's tau."""
+    from megatron_tempnet.tempnet import TempNetLM
+    from megatron_tempnet.tempnet.export import export_tempnet
+    from tests.e2e.test_inference_tools import reference_tau
+
+    torch.manual_seed(0)
+    net = TempNetLM(40, hidden_size=8, proj_size=4, padded_vocab_size=48, tau_max=2.0)
+    export_tempnet(net.state_dict(), str(tmp_path), tau_min=net.tau_min, tau_max=net.tau_max)
+    gen = torch.Generator().manual_seed(3)
+    steps = [torch.randn(2, 48, generator=gen) * 3 for _ in range(4)]
+    steps[2][0, 5] = -torch.inf  # forbidden by an earlier processor
+    scaled, taus = run_distributed(_processor_steps, world_size=1, args=(str(tmp_path), steps))[0]
+    assert taus.shape == (2, 4) and taus.device.type == "cpu"
+    for t, scores in enumerate(steps):
+        rows = [row.masked_fill(row == -torch.inf, row[row.isfinite()].min()) for row in scores]
+        want = reference_tau(torch.stack(rows), str(tmp_path))
+        torch.testing.assert_close(taus[:, t].double(), want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(scaled[t], scores / taus[:, t, None], rtol=1e-6, atol=0)
+    assert float(taus.std()) > 0
