@@ -20,6 +20,8 @@
 # make bench-ckpt  checkpoints: save, --async-save, load at the same and another layout
 # make bench-frozen  setting (iii): TempNet trained on a frozen SmolLM2-135M-shaped LM against
 #                  its plain forward pass (ARGS="--threads 1" on a shared machine; --load DIR)
+# make bench-check short versions of the ratio benchmarks (about 4 min), each ratio against the
+#                  recorded one (benchmarks/results/bench_check.json); ARGS="--record" records
 # make gpu-check   the GPU acceptance run (tests/gpu; not yet run on a GPU, estimated at about 3
 #                  minutes on one H100 with cold compile caches, 6.5 at worst, about 6 with 2
 #                  GPUs: docs/testing.md): fused attention kernels, a 100M LLaMA + TempNet in
@@ -40,7 +42,7 @@ TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 GPU_PYTHON ?= $(BIN)/python
 GPU_REPORT ?= runs/gpu-check.md
 
-.PHONY: test install lint format docs bench bench-data bench-step bench-stage bench-ckpt bench-frozen quickstart real-lm real-lm-finetune clean gpu-check
+.PHONY: test install lint format docs bench bench-data bench-step bench-stage bench-ckpt bench-frozen bench-check quickstart real-lm real-lm-finetune clean gpu-check
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -101,6 +103,9 @@ bench-ckpt: $(STAMP)
 
 bench-frozen: $(STAMP)
 	$(BIN)/python benchmarks/frozen_lm_bench.py $(ARGS)
+
+bench-check: $(STAMP)
+	$(BIN)/python benchmarks/bench_check.py $(ARGS)
 
 # The preflight comes first (tests/gpu/preflight.py): it prints torch's version, its CUDA and
 # the NVIDIA driver's (nvidia-smi), and exits 0 (run), 3 (a CPU machine: skip, exit 0) or 1

@@ -53,7 +53,7 @@ NEWLINE_AFTER_SENTENCE = 0.15
 VOCAB_SIZE = 8192
 SAMPLE_INTERVAL = 0.1
 WORD = re.compile(r"[A-Za-z.,;:!?'\"()\-]*[A-Za-z][A-Za-z.,;:!?'\"()\-]*")
-WROTE = re.compile(r"wrote (\S+)\.bin/\.idx: (\d+) documents, (\d+) tokens, (\w+)")
+WROTE = re.compile(r"wrote (\S+?)\.bin/\.idx\S*: (\d+) documents, (\d+) tokens, (\w+)")
 
 
 def _pydoc_texts() -> list[str]:

@@ -58,6 +58,10 @@ def _model_config(args, seq_length: int, backend: str):
         num_layers=args.num_layers,
         seq_length=seq_length,
         max_position_embeddings=max(seq_length, 1024),
+        # no dropout: both backends then compute the same losses (their dropout masks differ),
+        # and CPU attention with dropout keeps [b, heads, s, s] whatever the backend
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=0.0,
     )
     return _backend(model, backend)
 
