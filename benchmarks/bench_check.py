@@ -43,6 +43,10 @@ NOISE = 0.10
 """Relative noise band: side-by-side ratios on the 2-core VM moved by up to ~8 % between runs."""
 FLOOR = 0.02
 """Absolute noise band under ratios near 0."""
+RANGE = re.compile(r"\s*([\d.e+-]+)\s*-\s*([\d.e+-]+)\s*")
+"""A limit ``low-high``."""
+BOUND = re.compile(r"\s*(<=|>=)?\s*([\d.e+-]+)\s*")
+"""A limit ``<= x``, ``>= x`` or ``x`` (``<=``)."""
 
 
 @dataclass(frozen=True)
@@ -56,10 +60,10 @@ class Ratio:
 
     def meets_limit(self) -> bool | None:
         """Whether the value meets the benchmark's limit (None: no limit)."""
-        low_high = re.fullmatch(r"\s*([\d.e+-]+)\s*-\s*([\d.e+-]+)\s*", self.limit)
+        low_high = RANGE.fullmatch(self.limit)
         if low_high:
             return float(low_high[1]) <= self.value <= float(low_high[2])
-        bound = re.fullmatch(r"\s*(<=|>=)?\s*([\d.e+-]+)\s*", self.limit)
+        bound = BOUND.fullmatch(self.limit)
         if not bound:
             return None
         if bound[1] == ">=":
@@ -70,7 +74,7 @@ class Ratio:
 def from_limit(value: float, limit) -> Ratio:
     """A target row's ratio; which way is worse follows its limit."""
     text = str(limit)
-    low_high = re.fullmatch(r"\s*([\d.e+-]+)\s*-\s*([\d.e+-]+)\s*", text)
+    low_high = RANGE.fullmatch(text)
     if low_high:
         centre = (float(low_high[1]) + float(low_high[2])) / 2
         return Ratio(value, "away", text, centre)
