@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-stage-chunk-size",
         type=int,
         default=0,
-        help="tokens per chunk of the fused output stage (0: the default, 16M logits per rank)",
+        help="tokens per chunk of the fused output stage (0: the default, 32M logits per rank)",
     )
     return p
 

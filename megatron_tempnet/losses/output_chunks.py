@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tempnet.distributed.groups import TPGroup, VocabPartition, parallel_argmax
-from megatron_tempnet.losses import dro_math
+from megatron_tempnet.losses import dro_math, logit_passes
 from megatron_tempnet.losses.output_rows import Rows, WholeRows
 from megatron_tempnet.losses.tau_source import TauSource, TempNetTau
 
@@ -241,10 +241,12 @@ def forward_chunk(plan: Plan, chunk: Chunk, state: State, graph: list) -> None:
     tp, vocab = plan.tp, chunk.vocab
     true_logits = chunk.logits[:, : vocab.n_true]  # [c, n_true]
     tokens = true_logits.shape[0]
+    norm_sq = None
     if vocab.n_true:
-        row_max = torch.amax(true_logits, dim=1)
+        row_max, norm_sq = logit_passes.row_stats(true_logits, need_norm=plan.tempnet is not None)
     else:
         row_max = true_logits.new_full((tokens,), -math.inf)
+        norm_sq = true_logits.new_zeros(tokens)
     tp.all_reduce(row_max, op=dist.ReduceOp.MAX)
     target_logit, _, _ = dro_math.gather_target_logits(
         true_logits, chunk.targets, vocab.start, vocab.n_true
@@ -258,7 +260,7 @@ def forward_chunk(plan: Plan, chunk: Chunk, state: State, graph: list) -> None:
             torch.matmul(true_logits, w1.t(), out=bundle[:, :-2])
         else:
             bundle[:, :-2] = chunk.tempnet_w1_logits
-        bundle[:, -2] = torch.linalg.vector_norm(true_logits, dim=1).square()
+        bundle[:, -2] = norm_sq
         bundle[:, -1] = target_logit
         tp.all_reduce(bundle)  # TempNet's input and the target logit, one all-reduce
         norm = bundle[:, -2].sqrt().clamp_min(_NORM_EPS)
@@ -289,11 +291,12 @@ def _reduce_sums(
 ) -> None:
     """S (and Q) at tau and S at tau = 1 in one all-reduce; the chunk's values from them."""
     need_q = plan.tau_grad
-    ones = torch.ones_like(tau)
-    s_one, _ = dro_math.tempered_sums(true_logits, row_max, ones, need_q=False)
+    at_tau = plan.tau_in_loss or state.ts_ce is not None
+    s_one, s_tau, q_tau = logit_passes.exp_sums(
+        true_logits, row_max, tau, at_tau=at_tau, need_q=need_q
+    )
     columns = [s_one]
-    if plan.tau_in_loss or state.ts_ce is not None:
-        s_tau, q_tau = dro_math.tempered_sums(true_logits, row_max, tau, need_q=need_q)
+    if at_tau:
         columns += [s_tau] + ([q_tau] if need_q else [])
     if plan.tempnet is None:
         columns.append(target_logit)
@@ -371,7 +374,7 @@ def chunk_gradients(
     row_scale = grad_loss / values.tau if plan.loss == "ts-ce" else grad_loss
     loss_tau = values.tau if plan.tau_in_loss else torch.ones_like(values.tau)
     row_factor = row_scale / values.sum_exp
-    dro_math.tempered_softmax_(true_logits, values.row_max, loss_tau, row_factor, logit_coef)
+    logit_passes.tempered_softmax_(true_logits, values.row_max, loss_tau, row_factor, logit_coef)
     _, is_local, index = dro_math.gather_target_logits(
         true_logits, chunk.targets, vocab.start, vocab.n_true
     )

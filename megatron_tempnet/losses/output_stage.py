@@ -74,9 +74,11 @@ from megatron_tempnet.losses.output_rows import Rows, WholeRows, token_rows
 from megatron_tempnet.losses.tau_source import TauSource, TempNetTau
 
 LOSSES = ("ce", "dro", "ts-ce")
-CHUNK_ELEMENTS = 1 << 24
+CHUNK_ELEMENTS = 1 << 25
 """Default chunk: as many tokens as keep one chunk of logits under this many elements per rank
-(64 MiB in float32)."""
+(128 MiB in float32). Chosen with benchmarks/chunk_bench.py (docs/performance.md): the smallest
+budget whose stage time is within 10 % of the fastest measured, at SmolLM2's and GPT-2's
+shapes."""
 
 
 def default_chunk_size(partition_size: int) -> int:

@@ -12,42 +12,17 @@ fusions are turned off with one warning. The model computes the same without the
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import sysconfig
-from collections.abc import Mapping
 
 import torch
 
+from megatron_tempnet.utils.compilers import compiler_missing
 from megatron_tempnet.utils.logging import warn_rank0
 
 
 def fusion_problem(cuda: bool) -> str | None:
     """Why the fusions cannot be compiled on this machine's compute device (the CUDA device
     when ``cuda``), or None when they can. The probe runs once per process."""
-    return fusion_compiler_missing(cuda) or _compile_probe(cuda)
-
-
-def fusion_compiler_missing(
-    cuda: bool, environ: Mapping[str, str] = os.environ, include: str | None = None
-) -> str | None:
-    """What ``torch.compile`` lacks here to build megatron-core's fusions, or None.
-
-    On a GPU, Triton builds a small C launcher for its kernels: a C compiler (``$CC``, else
-    ``gcc`` or ``clang``, as Triton looks for it) and Python's headers (``Python.h`` in
-    ``include``, default this interpreter's). On a CPU, inductor needs a C++ compiler (``$CXX``,
-    else ``g++``).
-    """
-    if not cuda:
-        cxx = environ.get("CXX", "g++")
-        return None if shutil.which(cxx) else f"no C++ compiler ({cxx}) for torch.compile"
-    cc = environ.get("CC") or next((c for c in ("gcc", "clang") if shutil.which(c)), None)
-    if cc is None or not shutil.which(cc):
-        return f"no C compiler ({cc or '$CC, gcc or clang'}) for Triton"
-    include = include or sysconfig.get_paths()["include"]
-    if not os.path.isfile(os.path.join(include, "Python.h")):
-        return f"no Python headers ({include}/Python.h) for Triton: install python3-dev"
-    return None
+    return compiler_missing(cuda) or _compile_probe(cuda)
 
 
 def _bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

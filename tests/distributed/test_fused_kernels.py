@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from megatron_tempnet.models.clip.config import CLIPModelConfig
 from megatron_tempnet.models.gpt import ModelConfig
 from megatron_tempnet.models.recompute import Recompute
+from megatron_tempnet.utils.compilers import compiler_missing
 from tests.helpers.distributed import run_distributed
 from tests.helpers.shapes import LLAMA_SHAPE
 
@@ -262,7 +263,7 @@ def test_a_compiler_that_fails_turns_the_fusions_off_not_the_run(
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing compiled is reused
     torch._dynamo.reset()
-    assert fresh_probe.fusion_compiler_missing(False, {"CXX": "false"}) is None
+    assert compiler_missing(False, {"CXX": "false"}) is None
     shape = transformer.TransformerShape(openai_gelu=True, add_bias_linear=True)
     try:
         with inductor.patch({"cpp.cxx": (None, "false")}):  # a C++ compiler that fails
@@ -280,15 +281,12 @@ def test_a_compiler_that_fails_turns_the_fusions_off_not_the_run(
 def test_on_a_gpu_triton_needs_a_c_compiler_and_python_headers(tmp_path):
     """Triton compiles a C launcher: without a C compiler or Python.h the fusions would fail at
     the first step on a GPU; they are reported missing instead (and turned off, as above)."""
-    from megatron_tempnet.models.fusions import fusion_compiler_missing
 
     cc = shutil.which("gcc") or shutil.which("cc")
-    assert fusion_compiler_missing(True, {"CC": cc}) is None  # this machine has both
-    assert fusion_compiler_missing(True, {"CC": "no-such-cc"}) == (
-        "no C compiler (no-such-cc) for Triton"
-    )
-    missing = fusion_compiler_missing(True, {"CC": cc}, include=str(tmp_path))
+    assert compiler_missing(True, {"CC": cc}) is None  # this machine has both
+    assert compiler_missing(True, {"CC": "no-such-cc"}) == ("no C compiler (no-such-cc) for Triton")
+    missing = compiler_missing(True, {"CC": cc}, include=str(tmp_path))
     assert missing == f"no Python headers ({tmp_path}/Python.h) for Triton: install python3-dev"
-    assert fusion_compiler_missing(False, {"CXX": "no-such-cxx"}) == (
+    assert compiler_missing(False, {"CXX": "no-such-cxx"}) == (
         "no C++ compiler (no-such-cxx) for torch.compile"
     )

@@ -60,3 +60,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text)
         terminalreporter.write_line(f"written to {path}")
+
+
+@pytest.fixture(autouse=True)
+def _compiled_logit_passes(monkeypatch):
+    """The GPU run checks the output stage as users run it: its logit passes compiled (Triton),
+    not eager as in the rest of the suite (tests/conftest.py)."""
+    monkeypatch.setenv("MEGATRON_TEMPNET_COMPILE", "1")

@@ -61,7 +61,7 @@ class LossConfig:
     computes the whole logits first, as megatron-core's output layer does."""
     output_stage_chunk_size: int = 0
     """Tokens per chunk of the fused output stage; 0: as many as keep one chunk's logits under
-    16M values per rank (64 MiB in float32)."""
+    32M values per rank (128 MiB in float32)."""
     tempnet: TempNetConfig = nested(TempNetConfig)
     """TempNet's shape, temperature range and optimizer settings (the TempNet flags)."""
 
