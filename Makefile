@@ -42,7 +42,7 @@ TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 GPU_PYTHON ?= $(BIN)/python
 GPU_REPORT ?= runs/gpu-check.md
 
-.PHONY: test install lint format docs bench bench-data bench-step bench-stage bench-ckpt bench-frozen bench-check quickstart real-lm real-lm-finetune clean gpu-check
+.PHONY: test install lint format docs bench bench-data bench-step bench-stage bench-ckpt bench-frozen bench-chunk bench-check quickstart real-lm real-lm-finetune clean gpu-check
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -103,6 +103,9 @@ bench-ckpt: $(STAMP)
 
 bench-frozen: $(STAMP)
 	$(BIN)/python benchmarks/frozen_lm_bench.py $(ARGS)
+
+bench-chunk: $(STAMP)
+	$(BIN)/python benchmarks/chunk_bench.py $(ARGS)
 
 bench-check: $(STAMP)
 	$(BIN)/python benchmarks/bench_check.py $(ARGS)

@@ -113,13 +113,13 @@ def main() -> None:
     peaks = {}
     for rep in range(args.warmup + args.reps):
         for budget, compiled in configs:
-            chunk = max(1, budget // args.vocab)
+            chunk = max(1, min(args.tokens, budget // args.vocab))
             seconds, peaks[budget, compiled] = _step(inputs, chunk, compiled, device)
             if rep >= args.warmup:
                 times[budget, compiled].append(seconds)
     rows = []
     for budget, compiled in configs:
-        chunk = max(1, budget // args.vocab)
+        chunk = max(1, min(args.tokens, budget // args.vocab))
         ms = statistics.median(times[budget, compiled]) * 1e3
         rows.append(
             dict(

@@ -34,6 +34,9 @@ seed and schedule (peak lr ``--lr``, cosine) three ways: cross-entropy, DRO + Te
 TempNet; each is scored on the held-out text as in step 6, with a verdict against the
 cross-entropy run.
 
+Steps 1-4 are done once per ``--out``: a later run there, of either setting, on the same GGUF
+file reuses the import, the corpus and the parity check (``OUT/prepared.json``).
+
 The console shows progress and results; every command's whole output is in ``OUT/logs/``, the
 table in ``OUT/results.json`` (``OUT/finetune_results.json``). Needs the ``gguf`` extra
 (``pip install -e '.[gguf]'``).
@@ -186,9 +189,9 @@ def main() -> int:
     print(f"real LM in {show()} (each command's whole output: {show('logs')}/)", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1))
     python = [sys.executable]
-    gguf, lm, model_flags, tokenizer = _import_and_corpus(args, out, show, python, env)
     evaluate = python + [os.path.join(REPO, "tools", "evaluate.py"), "--documents", "separate"]
-    _parity(out, gguf, lm, evaluate, python, env)
+    gguf = args.gguf or fetch_gguf(args.cache)
+    lm, model_flags, tokenizer = _prepare(args, gguf, out, show, evaluate, python, env)
     if args.finetune:
         return finetune(args, out, show, lm, model_flags, tokenizer, evaluate, env, start)
     _train_frozen(args, out, show, lm, model_flags + tokenizer, python, env)
@@ -239,10 +242,55 @@ def _parse_args() -> argparse.Namespace:
     return args
 
 
-def _import_and_corpus(args, out, show, python, env) -> tuple[str, str, list[str], list[str]]:
-    """Steps 1-3: the GGUF file, imported; the corpus, preprocessed. Returns the GGUF path, the
-    imported LM's directory, its model flags and the tokenizer's flags."""
-    gguf = args.gguf or fetch_gguf(args.cache)
+PREPARED = "prepared.json"
+"""Written when steps 1-4 are done: the GGUF file they were done for (``_gguf_identity``)."""
+
+
+def _gguf_identity(gguf: str) -> dict:
+    stat = os.stat(gguf)
+    return {"gguf": os.path.abspath(gguf), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _tokenizer_flags(out) -> list[str]:
+    return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", out("lm", "tokenizer")]
+
+
+def _prepared(out, gguf: str) -> tuple[str, list[str], list[str]] | None:
+    """Steps 1-4's results in ``--out`` when an earlier run finished them for this very GGUF
+    file (the same path, size and modification time): the imported LM's directory, its model
+    flags and the tokenizer's flags. None: they are done again."""
+    try:
+        with open(out(PREPARED)) as f:
+            if json.load(f) != _gguf_identity(gguf):
+                return None
+        with open(out("lm", "model_flags.txt")) as f:
+            model_flags = f.read().split()
+    except (OSError, ValueError):
+        return None
+    return out("lm"), model_flags, _tokenizer_flags(out)
+
+
+def _prepare(args, gguf, out, show, evaluate, python, env) -> tuple[str, list[str], list[str]]:
+    """Steps 1-4, or what an earlier run in ``--out`` left of them for this GGUF file."""
+    prepared = _prepared(out, gguf)
+    if prepared is not None:
+        print(f"[1-4/8] reused from an earlier run: the import of {shown_path(gguf)}, the "
+              f"corpus and the parity check ({show(PREPARED)})")  # fmt: skip
+        return prepared
+    lm, model_flags, tokenizer = _import_and_corpus(args, gguf, out, show, python, env)
+    _parity(out, gguf, lm, evaluate, python, env)
+    with open(out(PREPARED), "w") as f:
+        json.dump(_gguf_identity(gguf), f)
+    return lm, model_flags, tokenizer
+
+
+def _import_and_corpus(args, gguf, out, show, python, env) -> tuple[str, list[str], list[str]]:
+    """Steps 1-3: the GGUF file, imported; the corpus, preprocessed. Returns the imported LM's
+    directory, its model flags and the tokenizer's flags."""
+    try:
+        os.remove(out(PREPARED))  # until steps 1-4 are done again
+    except FileNotFoundError:
+        pass
     size = os.path.getsize(gguf) / 2**20
     where = shown_path(gguf) if args.gguf else f"{PACKAGE} {VERSION}, {GGUF_NAME} in {args.cache}"
     print(f"[1/8] model: {where} ({size:.0f} MiB)")
@@ -257,8 +305,7 @@ def _import_and_corpus(args, out, show, python, env) -> tuple[str, str, list[str
           "model flags in model_flags.txt, the tokenizer in lm/tokenizer)")  # fmt: skip
 
     train_docs, held_docs = write_corpus(out())
-    tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer"]
-    tokenizer += ["--tokenizer-model", out("lm", "tokenizer")]
+    tokenizer = _tokenizer_flags(out)
     run(python + [os.path.join(REPO, "tools", "preprocess_data.py"), "--input", out("train.jsonl")]
         + ["--output-prefix", out("train"), "--append-eod", "--workers", "2", "--overwrite"]
         + tokenizer, out("logs", "preprocess.log"), env=env)  # fmt: skip
@@ -267,7 +314,7 @@ def _import_and_corpus(args, out, show, python, env) -> tuple[str, str, list[str
     tokens = validate_indexed_dataset(out("train_text_document")).num_tokens
     print(f"[3/8] corpus: the standard library's docstrings, {train_docs} training documents "
           f"({tokens:,} tokens), {held_docs} held-out passages")  # fmt: skip
-    return gguf, lm, model_flags, tokenizer
+    return lm, model_flags, tokenizer
 
 
 def _parity(out, gguf: str, lm: str, evaluate: list[str], python, env) -> None:

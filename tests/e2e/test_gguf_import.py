@@ -404,7 +404,8 @@ def test_the_real_lm_example_runs_on_a_small_file(converted, tmp_path):
     """``examples/real_lm.py`` (``make real-lm``) end to end on the small grouped-query file
     instead of SmolLM2: import, parity with transformers, TempNet trained two ways on the frozen
     LM (the second run reading the first one's hidden states), the held-out table from
-    tools/evaluate.py, the pictures and the generations; then --finetune (CE and DRO)."""
+    tools/evaluate.py, the pictures and the generations; then --finetune (CE and DRO) in the
+    same folder, reusing the import."""
     import json
     import re
     import subprocess
@@ -447,12 +448,18 @@ def test_the_real_lm_example_runs_on_a_small_file(converted, tmp_path):
     assert samples["tempnet"][0]["sampling"]["tau_max_eval"] is None
     assert samples["target"][0]["sampling"]["tau_max_eval"] > 0
     assert "TS-CE loss" in r.stdout and r.stderr == ""
-    # setting (ii): the LM finetuned with CE and with DRO + TempNet, scored on the same text
-    r = real_lm(tmp_path / "ft", "--iters", "2", "--finetune", "--runs", "ce", "dro")
-    runs = json.loads((tmp_path / "ft" / "finetune_results.json").read_text())["runs"]
+    # setting (ii) in the same --out: the import, corpus and parity reused, not redone; the LM
+    # finetuned with CE and with DRO + TempNet, scored on the same text
+    imported = (out / "lm" / "model_flags.txt").stat().st_mtime_ns
+    frozen_diagram = (out / "reliability.png").read_bytes()
+    r = real_lm(out, "--iters", "2", "--finetune", "--runs", "ce", "dro")
+    assert "[1-4/8] reused from an earlier run: the import of" in r.stdout, r.stdout
+    assert "[2/8] import" not in r.stdout
+    assert (out / "lm" / "model_flags.txt").stat().st_mtime_ns == imported
+    runs = json.loads((out / "finetune_results.json").read_text())["runs"]
     assert "tempnet_tllm_ppl" not in runs["ce"] and runs["dro"]["tempnet_tau_std"] >= 0
     for name, label in (("ce", "CE (the baseline)"), ("dro", "DRO TempNet (setting ii)")):
         row = re.search(rf"{re.escape(label)} +\| +([\d.]+) \|", r.stdout)
         assert row and float(row[1]) == round(runs[name]["ppl"], 2), r.stdout
     verdict = f"DRO TempNet (setting ii) at tau = 1: {runs['dro']['ppl']:.3f} vs CE's"
-    assert verdict in r.stdout and (tmp_path / "ft" / "reliability.png").exists()
+    assert verdict in r.stdout and (out / "reliability.png").read_bytes() != frozen_diagram
