@@ -147,13 +147,13 @@ class Bench:
 # fmt: off
 BENCHES = {
     "loss": Bench(("loss_bench.py", "--tokens", "512", "--hidden", "768", "--vocab", "50304",
-                   "--reps", "2"), _targets),
+                   "--reps", "4"), _targets),
     "stage": Bench(("loss_bench.py", "--section", "stage", "--tokens", "512", "--stage-shapes",
                     "768:50304:1", "--reps", "1"), _targets),
     "step": Bench(("step_bench.py", "--num-layers", "2", "--seq-lengths", "256", "--steps", "2"),
                   _targets),
     "frozen LM": Bench(("frozen_lm_bench.py", "--micro-batch", "2", "--seq-length", "128",
-                        "--steps", "3", "--profile-steps", "0"), _targets),
+                        "--steps", "5", "--profile-steps", "0"), _targets),
     "generation": Bench(("generate_bench.py", "--num-layers", "4", "--new-tokens", "32",
                          "--long-tokens", "64", "--recompute-tokens", "16", "--batch-sizes", "1",
                          "--repeats", "1"), _generation),
