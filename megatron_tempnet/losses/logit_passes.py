@@ -28,7 +28,7 @@ import os
 import torch
 
 from megatron_tempnet.losses import dro_math
-from megatron_tempnet.utils.compilers import compiler_missing
+from megatron_tempnet.utils.compilers import compile_error, compiler_missing
 from megatron_tempnet.utils.logging import warn_rank0
 
 ENV = "MEGATRON_TEMPNET_COMPILE"
@@ -92,8 +92,7 @@ class _Pass:
         try:
             out = self.compiled(logits, *args)
         except Exception as e:  # any compiler failure: the eager passes compute the same
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            _Pass.failed = f"{type(e).__name__}: {first[:300]}"
+            _Pass.failed = compile_error(e)
             warn_rank0(
                 "torch.compile failed on the output stage's logit passes (%s): they run eager, "
                 "computing the same (%s=0 silences this)",

@@ -241,7 +241,6 @@ def forward_chunk(plan: Plan, chunk: Chunk, state: State, graph: list) -> None:
     tp, vocab = plan.tp, chunk.vocab
     true_logits = chunk.logits[:, : vocab.n_true]  # [c, n_true]
     tokens = true_logits.shape[0]
-    norm_sq = None
     if vocab.n_true:
         row_max, norm_sq = logit_passes.row_stats(true_logits, need_norm=plan.tempnet is not None)
     else:

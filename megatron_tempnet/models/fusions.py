@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from megatron_tempnet.utils.compilers import compiler_missing
+from megatron_tempnet.utils.compilers import compile_error, compiler_missing
 from megatron_tempnet.utils.logging import warn_rank0
 
 
@@ -39,8 +39,7 @@ def _compile_probe(cuda: bool) -> str | None:
         x = torch.linspace(-2.0, 2.0, 64, device=device, requires_grad=True)
         fused(x, torch.full((64,), 0.5, device=device)).sum().backward()
     except Exception as e:  # any compiler failure: the fusions are optional
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return f"torch.compile failed on a probe ({type(e).__name__}: {first[:300]})"
+        return f"torch.compile failed on a probe ({compile_error(e)})"
     return None
 
 

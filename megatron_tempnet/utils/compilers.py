@@ -29,3 +29,10 @@ def compiler_missing(
     if not os.path.isfile(os.path.join(include, "Python.h")):
         return f"no Python headers ({include}/Python.h) for Triton: install python3-dev"
     return None
+
+
+def compile_error(error: BaseException) -> str:
+    """A compiler failure in one line: its type and the first line of its message (at most 300
+    characters), for the warning that turns a compiled path off."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}"
